@@ -1,0 +1,190 @@
+"""Public functional API: `sympow_attention`, `prefill` and `decode_step`.
+
+The custom_vjp is applied once, here, with the static settings in one frozen
+`AttentionConfig`. Its forward saves only the inputs; the backward recomputes the forward of
+the chosen implementation under jax.vjp, so no per-chunk intermediate outlives the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from sympow import kernels
+from sympow.attention import xla
+from sympow.attention.chunked import ChunkPrimitives, chunked_attention
+from sympow.attention.config import AttentionConfig, default_chunk_size, resolve_impl
+from sympow.attention.reference import SympowState, attention_form, recurrent_step
+
+__all__ = ["sympow_attention", "prefill", "decode_step", "make_config"]
+
+
+def _shape_error(name: str, expected: str, args: dict) -> ValueError:
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in args.items() if v is not None)
+    return ValueError(f"{name} must be {expected}; got {shapes}")
+
+
+def validate_inputs(q, k, v, log_g, p) -> None:
+    """Raise ValueError naming the argument and the shapes for anything outside the contract."""
+    if not isinstance(p, int) or isinstance(p, bool) or p <= 0 or p % 2:
+        raise ValueError(f"p must be a positive even int, got p={p!r}")
+    args = {"q": q, "k": k, "v": v, "log_g": log_g}
+    for name in ("q", "k", "v"):
+        if getattr(args[name], "ndim", None) != 4:
+            raise _shape_error(name, "rank 4 [B, T, H, D]", args)
+    (b, t, hq, d), (hk, e) = q.shape, (k.shape[2], v.shape[3])
+    if k.shape != (b, t, hk, d):
+        raise _shape_error("k", f"[B, T, Hk, D] = [{b}, {t}, Hk, {d}] to match q", args)
+    if v.shape[:3] != (b, t, hk):
+        raise _shape_error("v", f"[B, T, Hk, E] = [{b}, {t}, {hk}, E] to match k", args)
+    if t < 1 or d < 1 or e < 1 or hk < 1:
+        raise _shape_error("q", "non-empty (T, H, D and E >= 1)", args)
+    if hq % hk:
+        raise _shape_error("q", f"with Hq a multiple of Hk = {hk} (grouped query heads)", args)
+    if log_g is not None:
+        if getattr(log_g, "shape", None) != (b, t, hk):
+            raise _shape_error("log_g", f"[B, T, Hk] = [{b}, {t}, {hk}]", args)
+        if not jnp.issubdtype(log_g.dtype, jnp.floating):
+            raise ValueError(f"log_g must be floating point, got dtype {log_g.dtype}")
+    dtypes = {name: args[name].dtype for name in ("q", "k", "v")}
+    if len(set(dtypes.values())) != 1:
+        raise ValueError(f"q, k and v must share one dtype, got {dtypes}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k and v must be floating point, got dtype {q.dtype}")
+
+
+def make_config(length: int, p: int, chunk_size: int | None, impl: str | None) -> AttentionConfig:
+    """Resolve the defaults into a frozen AttentionConfig (validating chunk_size and impl)."""
+    impl = resolve_impl(impl)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(length, impl)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    return AttentionConfig(p=p, chunk_size=chunk_size, impl=impl,
+                           interpret=jax.default_backend() != "gpu")
+
+
+def _primitives(config: AttentionConfig) -> ChunkPrimitives:
+    if config.impl in ("xla", "reference"):
+        return xla.PRIMITIVES
+    return kernels.primitives(config)
+
+
+def _forward(config: AttentionConfig, q, k, v, log_g) -> Array:
+    if config.impl == "reference":
+        y = attention_form(q, k, v, log_g, config.p)
+    else:
+        y, _ = chunked_attention(q, k, v, log_g, p=config.p, chunk_size=config.chunk_size,
+                                 primitives=_primitives(config))
+    return y.astype(v.dtype)
+
+
+class Residuals(NamedTuple):
+    q: Array
+    k: Array
+    v: Array
+    log_g: Array | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config: AttentionConfig, q, k, v, log_g):
+    return _forward(config, q, k, v, log_g)
+
+
+def _attention_fwd(config, q, k, v, log_g):
+    return _forward(config, q, k, v, log_g), Residuals(q, k, v, log_g)
+
+
+def _attention_bwd(config, residuals: Residuals, dy):
+    _, vjp = jax.vjp(functools.partial(_forward, config), *residuals)
+    return vjp(dy)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def sympow_attention(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B T Hk D"],
+    v: Float[Array, "B T Hk E"],
+    log_g: Float[Array, "B T Hk"] | None = None,
+    *,
+    p: int = 2,
+    chunk_size: int | None = None,
+    impl: str | None = None,
+) -> Float[Array, "B T Hq E"]:
+    """Causal (gated) symmetric power attention.
+
+    Y_i = sum_{j<=i} B_ij V_j / sum_{j<=i} B_ij with B_ij = exp(G_i - G_j) (Q_i . K_j)^p and
+    G = cumsum(log_g). Rows whose B_ij are all zero (e.g. a zero query) give Y_i = 0.
+    Layout follows jax.nn.dot_product_attention.
+
+    Args:
+      q: [B, T, Hq, D] queries (rotary, if any, already applied).
+      k: [B, T, Hk, D] keys; Hq must be a multiple of Hk and query head n reads key/value
+        head n // (Hq // Hk) (grouped queries).
+      v: [B, T, Hk, E] values, same dtype as q and k.
+      log_g: [B, T, Hk] log of the gate gamma in (0, 1], so log_g <= 0 (not checked: values
+        are traced); None for no gating. Any floating dtype; used in float32.
+      p: positive even power.
+      chunk_size: chunk C of the chunked algorithm; None chooses. Any T works (the tail is
+        padded). Ignored by impl='reference'.
+      impl: None picks the fastest available; 'mosaic_gpu' | 'pallas' (GPU kernels) |
+        'xla' (chunked, pure JAX) | 'reference' (attention form, O(T^2) memory).
+
+    Returns:
+      [B, T, Hq, E] in v's dtype (accumulated in float32).
+    """
+    validate_inputs(q, k, v, log_g, p)
+    config = make_config(q.shape[1], p, chunk_size, impl)
+    return _attention(config, q, k, v, log_g)
+
+
+def prefill(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B T Hk D"],
+    v: Float[Array, "B T Hk E"],
+    log_g: Float[Array, "B T Hk"] | None = None,
+    *,
+    p: int = 2,
+    chunk_size: int | None = None,
+    impl: str | None = None,
+) -> tuple[Float[Array, "B T Hq E"], SympowState]:
+    """Chunked forward over a prompt that also returns the recurrent state after it.
+
+    Same arguments as `sympow_attention` (impl='reference' runs the pure-JAX chunked form).
+    Returns (y [B, T, Hq, E] in v's dtype, SympowState with s [B, Hk, F, E] and
+    z [B, Hk, F] in float32, F = expanded_dim(D, p)) to continue with `decode_step`.
+    """
+    validate_inputs(q, k, v, log_g, p)
+    config = make_config(q.shape[1], p, chunk_size, "xla" if impl == "reference" else impl)
+    y, state = chunked_attention(q, k, v, log_g, p=p, chunk_size=config.chunk_size,
+                                 primitives=_primitives(config))
+    return y.astype(v.dtype), state
+
+
+def decode_step(
+    state: SympowState,
+    q: Float[Array, "B Hq D"],
+    k: Float[Array, "B Hk D"],
+    v: Float[Array, "B Hk E"],
+    log_g: Float[Array, "B Hk"] | None = None,
+    *,
+    p: int = 2,
+) -> tuple[SympowState, Float[Array, "B Hq E"]]:
+    """Advance the recurrent state by one token in O(F E), independent of the context length.
+
+    Returns (new state, y [B, Hq, E] in v's dtype).
+    """
+    validate_inputs(q[:, None], k[:, None], v[:, None],
+                    None if log_g is None else log_g[:, None], p)
+    f = state.z.shape[-1]
+    if state.s.shape != (k.shape[0], k.shape[1], f, v.shape[-1]):
+        raise ValueError(f"state.s must be [B, Hk, F, E] = [{k.shape[0]}, {k.shape[1]}, F, "
+                         f"{v.shape[-1]}], got {tuple(state.s.shape)}")
+    state, y = recurrent_step(state, q, k, v, log_g, p)
+    return state, y.astype(v.dtype)

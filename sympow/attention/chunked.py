@@ -1,0 +1,139 @@
+"""The chunked sympow algorithm, written once over four swappable primitives.
+
+Split T into N = ceil(T / C) chunks (the tail is zero-padded: zero keys add nothing, and
+causality keeps padded queries from touching real rows). With g the inclusive cumulative
+log gate inside each chunk (g <= 0, decreasing):
+
+1. update_state: per chunk n, S_n = sum_{j in n} exp(g_last - g_j) V_j phi(K_j)^T and Z_n
+   likewise with V_j -> 1.
+2. prefix_sum: the state entering chunk n, P_n = exp(g_last,n-1) P_{n-1} + S_{n-1}, P_0 = 0.
+3. attention: the causal C x C block of each chunk in log space with a row max m_i,
+   o_i = sum_j exp(P log|Q_i.K_j| + g_i - g_j - m_i) V_j and its normalizer den_i.
+4. query_state: exp(g_i) phi(Q_i)^T P_n for numerator and normalizer, combined with
+   (o, den, m) before the one division.
+
+`ChunkPrimitives` holds one implementation of each (pure JAX in `xla.py`, Pallas kernels in
+`sympow.kernels`). Shapes in chunk layout: q [B, Hq, N, C, D]; k [B, Hk, N, C, D];
+v [B, Hk, N, C, E]; g [B, Hk, N, C]; states s [B, Hk, N, F, E], z [B, Hk, N, F].
+
+Numerics: phi is homogeneous of degree P and each row of attention is a distribution, so
+scaling Q_i by any c_i > 0 and all keys of a head by one c > 0 leaves Y unchanged (with
+gating too). The driver divides each query by its norm and the keys by their largest norm
+(scales under stop_gradient, which keeps gradients exact), so every |Q_i . K_j| <= 1 and no
+power can overflow, whatever P and the input norms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from sympow.attention.reference import SympowState, compute_dtype, safe_divide
+
+
+class ChunkPrimitives(NamedTuple):
+    """One implementation of each step of the chunked algorithm (see the module docstring).
+
+    update_state(k, v, g, *, p) -> (s [B,Hk,N,F,E], z [B,Hk,N,F])
+    prefix_sum(s, z, g_last [B,Hk,N]) -> (s_in, z_in, s_final [B,Hk,F,E], z_final [B,Hk,F])
+    attention(q, k, v, g, *, p) -> (o [B,Hq,N,C,E], den [B,Hq,N,C], m [B,Hq,N,C])
+    query_state(q, s_in, z_in, g, o, den, m, *, p) -> y [B,Hq,N,C,E] (normalized)
+    """
+
+    update_state: Callable[..., tuple[Array, Array]]
+    prefix_sum: Callable[..., tuple[Array, Array, Array, Array]]
+    attention: Callable[..., tuple[Array, Array, Array]]
+    query_state: Callable[..., Array]
+
+
+def combine(
+    o: Float[Array, "... C E"],
+    den: Float[Array, "... C"],
+    m: Float[Array, "... C"],
+    inter_o: Float[Array, "... C E"],
+    inter_den: Float[Array, "... C"],
+) -> Float[Array, "... C E"]:
+    """Y = (o e^m + inter_o) / (den e^m + inter_den), evaluated against a shared max.
+
+    (o, den) are scaled by exp(-m) (the intra-chunk row max); (inter_o, inter_den) are
+    unscaled. Both are brought to exp(-M) with M = max(m, log inter_den) so neither side
+    overflows; M cancels, so it carries no gradient. Rows with nothing to attend give 0.
+    """
+    has_intra = den > 0
+    has_inter = inter_den > 0
+    log_inter = jnp.where(has_inter, jnp.log(jnp.where(has_inter, inter_den, 1.0)), -jnp.inf)
+    shared = jnp.maximum(jnp.where(has_intra, m, -jnp.inf), log_inter)
+    shared = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shared), shared, 0.0))
+    w_intra = jnp.where(has_intra, jnp.exp(jnp.where(has_intra, m - shared, 0.0)), 0.0)
+    w_inter = jnp.exp(-shared)
+    num = o * w_intra[..., None] + inter_o * w_inter[..., None]
+    return safe_divide(num, den * w_intra + inter_den * w_inter)
+
+
+def to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:
+    """[B, T, H, ...] -> zero-padded [B, H, N, C, ...]."""
+    pad = num_chunks * chunk - x.shape[1]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def from_chunks(y: Float[Array, "B H N C E"], length: int) -> Float[Array, "B T H E"]:
+    """[B, H, N, C, E] -> [B, T, H, E], dropping the padding."""
+    b, h, n, c, e = y.shape
+    return jnp.moveaxis(y, 1, 3).reshape(b, n * c, h, e)[:, :length]
+
+
+def normalize_queries_and_keys(q: Array, k: Array) -> tuple[Array, Array, Float[Array, "B Hk"]]:
+    """Q_i / |Q_i| and K / max_j |K_j| per (batch, head), in the inputs' dtype.
+
+    Exact for the outputs (see the module docstring). Returns (q, k, key_scale) with
+    key_scale = max_j |K_j| [B, Hk] (1 where every key is zero), to restore true states.
+    """
+    ct = compute_dtype(q, k)
+    q_norm = jnp.linalg.norm(q.astype(ct), axis=-1, keepdims=True)
+    k_scale = jnp.max(jnp.linalg.norm(k.astype(ct), axis=-1), axis=1)  # [B, Hk]
+    q_norm = jax.lax.stop_gradient(jnp.where(q_norm > 0, q_norm, 1.0))
+    k_scale = jax.lax.stop_gradient(jnp.where(k_scale > 0, k_scale, 1.0))
+    q_unit = (q.astype(ct) / q_norm).astype(q.dtype)
+    k_unit = (k.astype(ct) / k_scale[:, None, :, None]).astype(k.dtype)
+    return q_unit, k_unit, k_scale
+
+
+def chunked_attention(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B T Hk D"],
+    v: Float[Array, "B T Hk E"],
+    log_g: Float[Array, "B T Hk"] | None,
+    *,
+    p: int,
+    chunk_size: int,
+    primitives: ChunkPrimitives,
+) -> tuple[Float[Array, "B T Hq E"], SympowState]:
+    """Causal gated sympow attention in O(T C D + T F E), composed from `primitives`.
+
+    Returns (y [B, T, Hq, E] in float32 (float64 for float64 inputs), final state after the
+    last token in true units).
+    """
+    t = q.shape[1]
+    n = math.ceil(t / chunk_size)
+    ct = compute_dtype(q, k, v)
+    q, k, k_scale = normalize_queries_and_keys(q, k)
+    log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
+    qc, kc, vc = (to_chunks(x, n, chunk_size) for x in (q, k, v))
+    g = jnp.cumsum(to_chunks(log_g, n, chunk_size), axis=-1)  # [B, Hk, N, C]
+
+    s, z = primitives.update_state(kc, vc, g, p=p)
+    s_in, z_in, s_final, z_final = primitives.prefix_sum(s, z, g[..., -1])
+    o, den, m = primitives.attention(qc, kc, vc, g, p=p)
+    y = primitives.query_state(qc, s_in, z_in, g, o, den, m, p=p)
+
+    # phi(K / c) = phi(K) / c^P: restore the true scale of the final state for decoding.
+    restore = k_scale ** p
+    final = SympowState(s_final * restore[..., None, None], z_final * restore[..., None])
+    return from_chunks(y, t), final

@@ -1,0 +1,86 @@
+"""Rotary position embeddings: fixed (RoPE) and data-dependent (seed 002 section 3.2).
+
+Pairs (2j, 2j+1) of a query or key are rotated by the angle mu_i * theta_j with rates
+theta_j = 2 pi / N^(2j/D), j = 0 .. D/2 - 1. Fixed rotary uses mu_i = i; learned rotary
+uses mu_i = mu_{i-1} + beta_i with beta_i = 1 + tanh(W_beta X_i) in (0, 2) per head, so the
+score of (i, j) depends only on c_ij = mu_i - mu_j = sum_{k=j+1..i} beta_k. Rotation is
+applied to Q and K before the attention; the kernels never see it.
+
+Angles are float32. For very long contexts mu_i * theta_j grows to ~1e5 rad and float32
+keeps ~1e-2 rad of it; the relative property then holds to that precision.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+__all__ = ["rotary_rates", "fixed_rotary_angles", "learned_rotary_angles", "apply_rotary"]
+
+
+def rotary_rates(d: int, base: float = 65536.0) -> Float[Array, " D/2"]:
+    """Rotation rates theta_j = 2 pi / base^(2j/d), j = 0 .. d/2 - 1, as float32 [d/2].
+
+    `base` is N of seed 002 (the maximum document size; 65536 for LongCrawl64).
+    """
+    if not isinstance(d, int) or d < 2 or d % 2:
+        raise ValueError(f"d must be a positive even int, got d={d!r}")
+    if not base > 1:
+        raise ValueError(f"base must be > 1, got base={base!r}")
+    j = jnp.arange(d // 2, dtype=jnp.float32)
+    return 2 * jnp.pi / jnp.asarray(base, jnp.float32) ** (2 * j / d)
+
+
+def fixed_rotary_angles(
+    positions: Float[Array, "... T"], theta: Float[Array, " D/2"]
+) -> Float[Array, "... T D/2"]:
+    """Angles mu_i * theta for fixed rotary with mu_i = positions[i] (usually arange(T))."""
+    return jnp.asarray(positions, jnp.float32)[..., None] * theta
+
+
+def learned_rotary_angles(
+    beta: Float[Array, "B T H"],
+    theta: Float[Array, " D/2"],
+    mu0: Float[Array, "B H"] | None = None,
+) -> tuple[Float[Array, "B T H D/2"], Float[Array, "B T H"]]:
+    """Data-dependent angles of seed 002: mu_i = mu_{i-1} + beta_i, angle = mu_i * theta.
+
+    Args:
+      beta: [B, T, H] rate multipliers (1 + tanh(W_beta x) in the layers), per head.
+      theta: [D/2] base rates from `rotary_rates`.
+      mu0: [B, H] the accumulated mu before the first token (recurrent decoding); 0 if None.
+
+    Returns:
+      (angles [B, T, H, D/2], mu [B, T, H]) where mu[:, -1] continues a later call.
+    """
+    beta = jnp.asarray(beta, jnp.float32)
+    if beta.ndim != 3:
+        raise ValueError(f"beta must be [B, T, H], got shape {beta.shape}")
+    mu = jnp.cumsum(beta, axis=1)
+    if mu0 is not None:
+        mu0 = jnp.asarray(mu0, jnp.float32)
+        if mu0.shape != (beta.shape[0], beta.shape[2]):
+            raise ValueError(f"mu0 must be [B, H] = {(beta.shape[0], beta.shape[2])}, "
+                             f"got shape {mu0.shape} (beta shape {beta.shape})")
+        mu = mu + mu0[:, None, :]
+    return mu[..., None] * theta, mu
+
+
+def apply_rotary(
+    x: Float[Array, "... D"], angles: Float[Array, "... D/2"]
+) -> Float[Array, "... D"]:
+    """Rotate pairs (2j, 2j+1) of x [..., D] by angles [..., D/2] (broadcast to x[..., :D/2]).
+
+    Computed in float32 and returned in x's dtype. Norms are preserved and
+    apply_rotary(q, a) . apply_rotary(k, b) depends only on a - b.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dim of x must be even, got shape {x.shape}")
+    if angles.shape[-1] != x.shape[-1] // 2:
+        raise ValueError(f"angles must end in D/2 = {x.shape[-1] // 2}, got shape "
+                         f"{angles.shape} for x of shape {x.shape}")
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([cos * even - sin * odd, sin * even + cos * odd], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
