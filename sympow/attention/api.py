@@ -44,7 +44,8 @@ def validate_inputs(q, k, v, log_g, p) -> None:
     if t < 1 or d < 1 or e < 1 or hk < 1:
         raise _shape_error("q", "non-empty (T, H, D and E >= 1)", args)
     if hq % hk:
-        raise _shape_error("q", f"with Hq a multiple of Hk = {hk} (grouped query heads)", args)
+        raise _shape_error("q", f"[B, T, Hq, D] with Hq a multiple of Hk = {hk} (grouped "
+                                "query heads)", args)
     if log_g is not None:
         if getattr(log_g, "shape", None) != (b, t, hk):
             raise _shape_error("log_g", f"[B, T, Hk] = [{b}, {t}, {hk}]", args)
@@ -105,6 +106,16 @@ def _attention_bwd(config, residuals: Residuals, dy):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# Compiled per (config, shapes): eager callers get one fused program too; under an outer
+# jit this inlines.
+_attention_jit = jax.jit(_attention, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(config: AttentionConfig, q, k, v, log_g):
+    y, state = chunked_attention(q, k, v, log_g, p=config.p, chunk_size=config.chunk_size,
+                                 primitives=_primitives(config))
+    return y.astype(v.dtype), state
 
 
 def sympow_attention(
@@ -141,7 +152,7 @@ def sympow_attention(
     """
     validate_inputs(q, k, v, log_g, p)
     config = make_config(q.shape[1], p, chunk_size, impl)
-    return _attention(config, q, k, v, log_g)
+    return _attention_jit(config, q, k, v, log_g)
 
 
 def prefill(
@@ -162,9 +173,7 @@ def prefill(
     """
     validate_inputs(q, k, v, log_g, p)
     config = make_config(q.shape[1], p, chunk_size, "xla" if impl == "reference" else impl)
-    y, state = chunked_attention(q, k, v, log_g, p=p, chunk_size=config.chunk_size,
-                                 primitives=_primitives(config))
-    return y.astype(v.dtype), state
+    return _prefill(config, q, k, v, log_g)
 
 
 def decode_step(
@@ -186,5 +195,10 @@ def decode_step(
     if state.s.shape != (k.shape[0], k.shape[1], f, v.shape[-1]):
         raise ValueError(f"state.s must be [B, Hk, F, E] = [{k.shape[0]}, {k.shape[1]}, F, "
                          f"{v.shape[-1]}], got {tuple(state.s.shape)}")
-    state, y = recurrent_step(state, q, k, v, log_g, p)
+    state, y = _decode_step(p, state, q, k, v, log_g)
     return state, y.astype(v.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _decode_step(p, state, q, k, v, log_g):
+    return recurrent_step(state, q, k, v, log_g, p)

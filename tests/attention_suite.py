@@ -1,0 +1,119 @@
+"""One parameterized suite for every implementation of `sympow.sympow_attention`.
+
+Subclass `AttentionSuite` with `impl = "<name>"` (and `chunk_sizes`) in a test module; the
+reference is the attention form on float32 inputs. bf16 uses the gold/ref/test method:
+gold = reference on fp32 inputs, ref = reference on bf16 inputs, test = impl on bf16 inputs,
+and requires ||gold - test|| <= 2 ||gold - ref|| + 1e-3 ||gold||.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sympow
+from tests.helpers import attention_inputs, rel_err
+
+ADVERSARIAL = ["zero_queries", "zero_keys", "huge_norms", "gate_open", "gate_shut", "length_1"]
+
+
+def adversarial_inputs(rng, case, dtype):
+    t = 1 if case == "length_1" else 24
+    q, k, v, log_g = attention_inputs(rng, t=t, d=16, e=8, dtype=jnp.float32)
+    if case == "zero_queries":
+        q = q.at[:, ::3].set(0.0)
+    elif case == "zero_keys":
+        k = k.at[:, 1::2].set(0.0)
+    elif case == "huge_norms":
+        q, k = 1e3 * q / jnp.linalg.norm(q, axis=-1, keepdims=True), 1e3 * k
+    elif case == "gate_open":
+        log_g = jnp.zeros_like(log_g)
+    elif case == "gate_shut":
+        log_g = jnp.full_like(log_g, -1e4)
+    return tuple(x.astype(dtype) for x in (q, k, v)) + (log_g,)
+
+
+@functools.cache
+def _value_and_grad(impl, chunk, p):
+    """One jitted function per setting, so cases of equal shapes share the compilation."""
+
+    def loss(q, k, v, log_g, cotangent):
+        y = sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
+        return jnp.sum(y.astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def grads(impl, chunk, p, cotangent, q, k, v, log_g):
+    """(loss, (dq, dk, dv, dlog_g)) of sum(y * cotangent)."""
+    return _value_and_grad(impl, chunk, p)(q, k, v, log_g, cotangent)
+
+
+class AttentionSuite:
+    impl: str = "xla"
+    chunk = 16
+
+    @pytest.mark.parametrize("p", [2, 4])
+    @pytest.mark.parametrize(("t", "heads", "gating"), [(37, (4, 2), True), (16, (2, 2), False)])
+    def test_forward_fp32(self, rng, p, t, heads, gating):
+        q, k, v, log_g = attention_inputs(rng, t=t, hq=heads[0], hk=heads[1], d=16, e=8,
+                                          gating=gating)
+        expected = sympow.sympow_attention(q, k, v, log_g, p=p, impl="reference")
+        got = sympow.sympow_attention(q, k, v, log_g, p=p, impl=self.impl, chunk_size=self.chunk)
+        assert got.dtype == jnp.float32 and got.shape == expected.shape
+        assert rel_err(got, expected) < 1e-5
+
+    @pytest.mark.parametrize("p", [2, 4])
+    def test_forward_and_grads_bf16_gold_ref_test(self, rng, p):
+        q, k, v, log_g = attention_inputs(rng, t=37, hq=4, hk=2, d=16, e=8)
+        cot = jnp.asarray(rng.normal(size=(2, 37, 4, 8)), jnp.float32)
+        bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        gold = grads("reference", None, p, cot, q, k, v, log_g)
+        ref = grads("reference", None, p, cot, *bf16, log_g)
+        test = grads(self.impl, self.chunk, p, cot, *bf16, log_g)
+        outputs = [
+            ("y", *(sympow.sympow_attention(*x, log_g, p=p, impl=i, chunk_size=c) for x, i, c in
+                    [((q, k, v), "reference", None), (bf16, "reference", None),
+                     (bf16, self.impl, self.chunk)]))
+        ] + [(name, g, r, t) for name, g, r, t in zip("dq dk dv dlog_g".split(), gold[1], ref[1],
+                                                       test[1], strict=True)]
+        for name, g, r, t in outputs:
+            assert t.dtype == r.dtype, name
+            g, r, t = (np.asarray(x, np.float64) for x in (g, r, t))
+            bound = 2 * np.linalg.norm(g - r) + 1e-3 * np.linalg.norm(g)
+            assert np.linalg.norm(g - t) <= bound, name
+
+    @pytest.mark.parametrize("case", ADVERSARIAL)
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_adversarial_inputs_stay_finite(self, rng, case, dtype):
+        q, k, v, log_g = adversarial_inputs(rng, case, dtype)
+        cot = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
+        value, gradients = grads(self.impl, self.chunk, 2, cot, q, k, v, log_g)
+        assert np.isfinite(float(value))
+        for g in gradients:
+            assert np.all(np.isfinite(np.asarray(g, np.float32)))
+        y = sympow.sympow_attention(q, k, v, log_g, p=2, impl=self.impl, chunk_size=self.chunk)
+        assert np.all(np.isfinite(np.asarray(y, np.float32)))
+        if case == "zero_queries":  # the documented output for rows with no weight
+            assert np.all(np.asarray(y[:, ::3]) == 0)
+        if case in ("huge_norms", "gate_open", "gate_shut"):
+            expected = sympow.sympow_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                               log_g, p=2, impl="reference")
+            assert rel_err(y, expected) < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+    def test_gate_shut_attends_to_self_only(self, rng):
+        q, k, v, log_g = adversarial_inputs(rng, "gate_shut", jnp.float32)
+        y = sympow.sympow_attention(q, k, v, log_g, p=2, impl=self.impl, chunk_size=self.chunk)
+        np.testing.assert_allclose(y, jnp.repeat(v, 2, axis=2), rtol=1e-5, atol=1e-6)
+
+    def test_jit_and_vmap_compose(self, rng):
+        q, k, v, log_g = attention_inputs(rng, t=20, d=16, e=8)
+        fn = functools.partial(sympow.sympow_attention, p=2, impl=self.impl, chunk_size=8)
+        direct = fn(q, k, v, log_g)
+        np.testing.assert_allclose(jax.jit(fn)(q, k, v, log_g), direct, rtol=1e-5, atol=1e-6)
+        mapped = jax.vmap(fn)(q[:, None], k[:, None], v[:, None], log_g[:, None])[:, 0]
+        np.testing.assert_allclose(mapped, direct, rtol=1e-5, atol=1e-6)

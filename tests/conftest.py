@@ -1,0 +1,28 @@
+"""Shared fixtures: fresh random inputs and scoped float64 mode."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def x64():
+    """Enable float64 inside one test (exactness checks of the math), then restore."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator seeded from the test's id: each test draws its own inputs, and a
+    failure reproduces."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)

@@ -1,0 +1,129 @@
+"""The three formulations agree: attention (quadratic), recurrent (scan) and chunked."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sympow
+from sympow.attention import chunked_attention
+from sympow.attention import xla as xla_primitives
+from sympow.attention.reference import attention_form, recurrent_form
+from tests.helpers import attention_inputs, max_err, rel_err
+
+
+def rotate(q, k, rotary, rng):
+    """Apply no / fixed / learned rotary to q and k, as the layers do."""
+    if rotary == "none":
+        return q, k
+    b, t, hk, d = k.shape
+    theta = sympow.rotary_rates(d, base=1000.0)
+    if rotary == "fixed":
+        angles = sympow.fixed_rotary_angles(jnp.arange(t), theta)[None, :, None]  # [1,T,1,D/2]
+        return sympow.apply_rotary(q, angles), sympow.apply_rotary(k, angles)
+    beta = jnp.asarray(1 + np.tanh(rng.normal(size=(b, t, hk))), jnp.float32)
+    angles, _ = sympow.learned_rotary_angles(beta, theta)  # [B, T, Hk, D/2]
+    groups = q.shape[2] // hk
+    q_angles = jnp.repeat(angles, groups, axis=2)
+    return sympow.apply_rotary(q, q_angles), sympow.apply_rotary(k, angles)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def chunked(q, k, v, log_g, p, chunk):
+    return chunked_attention(q, k, v, log_g, p=p, chunk_size=chunk,
+                             primitives=xla_primitives.PRIMITIVES)
+
+
+attention_form = jax.jit(attention_form, static_argnums=4)
+recurrent_form = jax.jit(recurrent_form, static_argnums=4)
+
+
+CASES = [  # (t, chunk, p, heads (hq, hk), gating, rotary)
+    (1, 8, 2, (2, 2), True, "none"),
+    (7, 8, 2, (4, 2), True, "fixed"),
+    (7, 3, 4, (2, 1), False, "learned"),
+    (64, 16, 2, (2, 2), False, "none"),
+    (64, 16, 4, (4, 2), True, "learned"),
+    (64, 64, 2, (4, 1), True, "fixed"),
+    (200, 64, 2, (4, 2), True, "learned"),
+    (200, 48, 4, (2, 2), True, "fixed"),
+    (200, 200, 2, (2, 1), False, "none"),
+]
+
+
+@pytest.mark.parametrize(("t", "chunk", "p", "heads", "gating", "rotary"), CASES)
+def test_chunked_equals_attention_form_fp32(rng, t, chunk, p, heads, gating, rotary):
+    q, k, v, log_g = attention_inputs(rng, b=2, t=t, hq=heads[0], hk=heads[1], gating=gating)
+    q, k = rotate(q, k, rotary, rng)
+    expected = attention_form(q, k, v, log_g, p)
+    got, _ = chunked(q, k, v, log_g, p, chunk)
+    assert got.shape == expected.shape == (2, t, heads[0], v.shape[-1])
+    assert max_err(got, expected) < 2e-5
+
+
+@pytest.mark.parametrize(("t", "p", "heads", "gating", "rotary"),
+                         [(t, p, h, g, r) for t, _, p, h, g, r in CASES if t < 200])
+def test_recurrent_equals_attention_form(x64, rng, t, p, heads, gating, rotary):
+    """In float64: the recurrence evaluates phi(Q).S, which cancels terms of size
+    (|Q||K|)^p down to (Q.K)^p, so for p = 4 on random inputs float32 keeps too few digits for a
+    tight comparison (see test_recurrent_fp32_p2 for the float32 case)."""
+    q, k, v, log_g = attention_inputs(rng, b=2, t=t, hq=heads[0], hk=heads[1], gating=gating,
+                                      dtype=jnp.float64)
+    q, k = rotate(q, k, rotary, rng)
+    expected = attention_form(q, k, v, log_g, p)
+    got, _ = recurrent_form(q, k, v, log_g, p)
+    assert got.dtype == jnp.float64
+    assert max_err(got, expected) < 1e-8
+
+
+@pytest.mark.parametrize("gating", [False, True])
+def test_recurrent_fp32_p2(rng, gating):
+    q, k, v, log_g = attention_inputs(rng, t=50, gating=gating)
+    expected = attention_form(q, k, v, log_g, 2)
+    got, _ = recurrent_form(q, k, v, log_g, 2)
+    assert max_err(got, expected) < 5e-5
+
+
+@pytest.mark.parametrize(("t", "chunk", "p", "heads", "gating"), [
+    (7, 8, 2, (4, 2), True),
+    (37, 8, 2, (2, 2), True),
+    (37, 16, 4, (4, 2), True),
+    (40, 8, 4, (2, 1), False),
+])
+def test_chunked_gradients_equal_attention_form(rng, t, chunk, p, heads, gating):
+    q, k, v, log_g = attention_inputs(rng, t=t, hq=heads[0], hk=heads[1], gating=gating)
+    cotangent = jnp.asarray(rng.normal(size=(2, t, heads[0], v.shape[-1])), jnp.float32)
+    args = (q, k, v, log_g) if gating else (q, k, v)
+
+    def loss(impl, *args):
+        y = sympow.sympow_attention(*args, p=p, chunk_size=chunk, impl=impl)
+        return jnp.sum(y * cotangent)
+
+    argnums = tuple(range(len(args)))
+    expected = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums))(*args)
+    got = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums))(*args)
+    for name, g_got, g_expected in zip("q k v log_g".split(), got, expected, strict=False):
+        assert rel_err(g_got, g_expected) < 2e-5, name
+
+
+def test_prefill_then_decode_continues_attention(rng):
+    p, t = 2, 21
+    q, k, v, log_g = attention_inputs(rng, t=t + 3)
+    expected = attention_form(q, k, v, log_g, p)
+    y, state = sympow.prefill(q[:, :t], k[:, :t], v[:, :t], log_g[:, :t], p=p, chunk_size=8)
+    assert max_err(y, expected[:, :t]) < 2e-5
+    for i in range(t, t + 3):
+        state, y_i = sympow.decode_step(state, q[:, i], k[:, i], v[:, i], log_g[:, i], p=p)
+        assert max_err(y_i, expected[:, i]) < 5e-5
+
+
+def test_prefill_state_is_in_true_units(x64, rng):
+    """The chunked driver normalizes keys; the state it returns must not be."""
+    q, k, v, log_g = attention_inputs(rng, t=30, dtype=jnp.float64, scale=7.0)
+    _, expected = recurrent_form(q, k, v, log_g, 4)
+    _, state = sympow.prefill(q, k, v, log_g, p=4, chunk_size=8)
+    assert rel_err(state.s, expected.s) < 1e-12 and rel_err(state.z, expected.z) < 1e-12
