@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check sympow experiments configs tests scripts
+	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 -q
 
 demo: $(STAMP)
 	$(PY) examples/api_tour.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check sympow experiments configs tests scripts
+	$(PY) -m ruff check .
