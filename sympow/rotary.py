@@ -71,7 +71,7 @@ def apply_rotary(
 ) -> Float[Array, "... D"]:
     """Rotate pairs (2j, 2j+1) of x [..., D] by angles [..., D/2] (broadcast to x[..., :D/2]).
 
-    Computed in float32 and returned in x's dtype. Norms are preserved and
+    Computed in float32 (float64 for float64 x) and returned in x's dtype. Norms are preserved and
     apply_rotary(q, a) . apply_rotary(k, b) depends only on a - b.
     """
     if x.shape[-1] % 2:
@@ -79,8 +79,9 @@ def apply_rotary(
     if angles.shape[-1] != x.shape[-1] // 2:
         raise ValueError(f"angles must end in D/2 = {x.shape[-1] // 2}, got shape "
                          f"{angles.shape} for x of shape {x.shape}")
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    ct = jnp.result_type(jnp.float32, x.dtype)
+    pairs = x.astype(ct).reshape(*x.shape[:-1], -1, 2)
+    cos, sin = jnp.cos(angles).astype(ct), jnp.sin(angles).astype(ct)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([cos * even - sin * odd, sin * even + cos * odd], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
