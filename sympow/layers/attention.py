@@ -1,0 +1,319 @@
+"""Attention layers: sympow (with optional gating and rotary) and the softmax baseline.
+
+Both share one head layout: queries in n_head heads, keys and values in n_kv_head heads
+(grouped queries: query head n reads key/value head n // (n_head // n_kv_head)), head dim
+D = E = d_model // n_head, projections `nn.Linear` WITH bias (GPT-2 style: c_attn and c_proj
+have biases), q, k and v projected separately (the parameter count equals GPT-2's fused
+c_attn when n_kv_head == n_head).
+
+Gating (seed 002 section 3.1): gamma_i = sigmoid(W_gamma x_i + b_gamma), one scalar per
+key/value head, passed to the kernels as log_g = log_sigmoid(.) <= 0. The bias starts at
++5 (gamma ~ 0.9933, a memory of ~150 tokens) so a fresh model starts close to ungated
+sympow and learns to forget; W_gamma starts like the other projections (normal, std 0.02).
+
+Rotary (seed 002 A.1.2 and section 3.2): 'fixed' uses mu_i = i; 'learned' uses
+mu_i = mu_{i-1} + beta_i, beta_i = 1 + tanh(W_beta x_i), one scalar per key/value head,
+broadcast to that head's query group (a query and the keys it reads must share mu for the
+score to depend on mu_i - mu_j only, so beta cannot be per query head). W_beta has no bias
+and starts at zero: beta = 1, i.e. a fresh learned-rotary model is exactly fixed rotary.
+W_gamma and W_beta compute in at least float32: their outputs are summed over the context.
+Rotations go through `sympow.rotary`, which rotates in float32 (also in float64 compute).
+
+Every layer has three entry points: `__call__(x)` (training / full forward), `prefill(x)`
+(forward that also returns a cache) and `decode(x, cache, position)` (one token).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+import sympow
+from sympow.attention.config import IMPLS
+from sympow.attention.reference import SympowState
+
+__all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
+           "KVCache", "GATE_BIAS_INIT"]
+
+ROTARY_KINDS = ("none", "fixed", "learned")
+GATE_BIAS_INIT = 5.0
+
+
+class SympowCache(NamedTuple):
+    """Recurrent cache of one sympow layer: (S, Z) and, for learned rotary, mu.
+
+    state: SympowState with s [B, Hk, F, E] and z [B, Hk, F] (float32, float64 in x64).
+    mu: [B, Hk] float32 accumulated rotation multiplier after the last token (learned
+      rotary), or None. Fixed rotary reads the model's position counter instead.
+    """
+
+    state: SympowState
+    mu: Array | None
+
+
+class KVCache(NamedTuple):
+    """Preallocated key/value cache of one softmax layer (keys stored after rotary).
+
+    k: [B, L, Hk, D], v: [B, L, Hk, E] in the compute dtype, L = max_length; rows at and
+    after the model's position counter are unused. mu: as in SympowCache.
+    """
+
+    k: Array
+    v: Array
+    mu: Array | None
+
+
+def _float_at_least_32(dtype) -> jnp.dtype:
+    return jnp.promote_types(jnp.float32, jnp.dtype(dtype))
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+def _check_layout(d_model: int, n_head: int, n_kv_head: int, rotary: str) -> int:
+    """Validate the head layout; return the head dim D."""
+    for name, value in (("d_model", d_model), ("n_head", n_head), ("n_kv_head", n_kv_head)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    if n_head % n_kv_head:
+        raise ValueError(f"n_head must be a multiple of n_kv_head, got n_head={n_head}, "
+                         f"n_kv_head={n_kv_head}")
+    if d_model % n_head:
+        raise ValueError(f"d_model must be divisible by n_head, got d_model={d_model}, "
+                         f"n_head={n_head}")
+    if rotary not in ROTARY_KINDS:
+        raise ValueError(f"rotary must be one of {ROTARY_KINDS}, got rotary={rotary!r}")
+    head_dim = d_model // n_head
+    if rotary != "none" and head_dim % 2:
+        raise ValueError(f"rotary={rotary!r} needs an even head dim d_model // n_head, got "
+                         f"d_model={d_model}, n_head={n_head} (head dim {head_dim})")
+    return head_dim
+
+
+class Rotary(nnx.Module):
+    """Fixed or learned rotary on q [B, T, Hq, D] and k [B, T, Hk, D].
+
+    Angles are mu_i * theta_j with theta from `sympow.rotary_rates(D, base)`. For 'learned'
+    the module owns W_beta (`beta_proj`, d_model -> Hk, no bias, zero init).
+    """
+
+    def __init__(self, d_model: int, n_kv_head: int, head_dim: int, kind: str, *,
+                 base: float = 65536.0, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        if kind not in ROTARY_KINDS:
+            raise ValueError(f"rotary must be one of {ROTARY_KINDS}, got rotary={kind!r}")
+        if not base > 1:
+            raise ValueError(f"rotary_base must be > 1, got rotary_base={base!r}")
+        self.kind, self.base, self.head_dim = kind, float(base), head_dim
+        if kind == "learned":
+            self.beta_proj = nnx.Linear(
+                d_model, n_kv_head, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
+                dtype=_float_at_least_32(dtype), param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "B T C"],
+        q: Float[Array, "B T Hq D"],
+        k: Float[Array, "B T Hk D"],
+        *,
+        position: Array | int = 0,
+        mu0: Float[Array, "B Hk"] | None = None,
+    ) -> tuple[Array, Array, Array | None]:
+        """Rotate q and k; returns (q', k', mu [B, Hk] after the last token or None).
+
+        position: index of the first token (fixed rotary: mu_i = position + i).
+        mu0: learned rotary's mu before the first token (None = start of the sequence).
+        """
+        if self.kind == "none":
+            return q, k, None
+        theta = sympow.rotary_rates(self.head_dim, self.base)  # [D/2]
+        b, t, hq, d = q.shape
+        hk = k.shape[2]
+        if self.kind == "fixed":
+            positions = position + jnp.arange(t)
+            angles = sympow.fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
+            return sympow.apply_rotary(q, angles), sympow.apply_rotary(k, angles), None
+        beta = 1.0 + jnp.tanh(self.beta_proj(x))  # [B, T, Hk]
+        angles, mu = sympow.learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
+        q = sympow.apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
+        return q.reshape(b, t, hq, d), sympow.apply_rotary(k, angles), mu[:, -1]
+
+
+class _Attention(nnx.Module):
+    """Projections, optional gate and rotary shared by both attention layers.
+
+    Args:
+      d_model: model width C. n_head: query heads Hq. n_kv_head: key/value heads Hk (None:
+        n_head); Hq must be a multiple of Hk and C divisible by Hq.
+      rotary: 'none' | 'fixed' | 'learned'; rotary_base: N of theta_j = 2 pi / N^(2j/D).
+      dtype: compute dtype; param_dtype: parameter dtype.
+      init_std: std of the projections; out_init_std: std of the output projection (GPT-2
+        scales it by 1/sqrt(2 n_layer)); None = init_std.
+    """
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *,
+                 gating: bool = False, rotary: str = "none", rotary_base: float = 65536.0,
+                 dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
+                 out_init_std: float | None = None, rngs: nnx.Rngs):
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        head_dim = _check_layout(d_model, n_head, n_kv_head, rotary)
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.gating, self.dtype = bool(gating), jnp.dtype(dtype)
+        out_std = init_std if out_init_std is None else out_init_std
+
+        def linear(n_in, n_out, std):
+            return nnx.Linear(n_in, n_out, kernel_init=_normal(std), dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+        self.q_proj = linear(d_model, n_head * head_dim, init_std)
+        self.k_proj = linear(d_model, n_kv_head * head_dim, init_std)
+        self.v_proj = linear(d_model, n_kv_head * head_dim, init_std)
+        self.out_proj = linear(n_head * head_dim, d_model, out_std)
+        if self.gating:
+            self.gate_proj = nnx.Linear(
+                d_model, n_kv_head, kernel_init=_normal(init_std),
+                bias_init=nnx.initializers.constant(GATE_BIAS_INIT),
+                dtype=_float_at_least_32(dtype), param_dtype=param_dtype, rngs=rngs)
+        self.rotary = Rotary(d_model, n_kv_head, head_dim, rotary, base=rotary_base,
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def project(self, x: Float[Array, "B T C"], *, position=0, mu0=None):
+        """Returns (q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] | None, mu)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_head, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, D]
+        v = self.v_proj(x).reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, E]
+        q, k, mu = self.rotary(x, q, k, position=position, mu0=mu0)
+        log_g = jax.nn.log_sigmoid(self.gate_proj(x)) if self.gating else None  # [B, T, Hk]
+        return q, k, v, log_g, mu
+
+    def merge_heads(self, y: Float[Array, "B T Hq E"]) -> Float[Array, "B T C"]:
+        return self.out_proj(y.reshape(*y.shape[:2], -1))
+
+
+class SympowAttention(_Attention):
+    """Causal symmetric power attention (seed 002): sympow, +gating, conformal-sympow.
+
+    Extra args over the shared ones (see `_Attention`): p (even power), chunk_size and impl
+    (passed to `sympow.sympow_attention`; None = choose), gating (data-dependent gate).
+    conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
+    q or k cancels in the normalized attention.
+    """
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *, p: int = 2,
+                 chunk_size: int | None = None, impl: str | None = None, rngs: nnx.Rngs,
+                 **kwargs):
+        if not isinstance(p, int) or isinstance(p, bool) or p < 2 or p % 2:
+            raise ValueError(f"p must be a positive even int, got p={p!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int or None, got "
+                             f"chunk_size={chunk_size!r}")
+        if impl is not None and impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS} or None, got impl={impl!r}")
+        super().__init__(d_model, n_head, n_kv_head, rngs=rngs, **kwargs)
+        self.p, self.chunk_size, self.impl = p, chunk_size, impl
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        q, k, v, log_g, _ = self.project(x)
+        y = sympow.sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
+                                    impl=self.impl)  # [B, T, Hq, E]
+        return self.merge_heads(y)
+
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None
+                ) -> tuple[Float[Array, "B T C"], SympowCache]:
+        """Chunked forward over a prompt and the recurrent cache after it (max_length unused)."""
+        del max_length
+        q, k, v, log_g, mu = self.project(x)
+        y, state = sympow.prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
+                                  impl=self.impl)
+        return self.merge_heads(y), SympowCache(state, mu)
+
+    def decode(self, x: Float[Array, "B 1 C"], cache: SympowCache, position: Array
+               ) -> tuple[Float[Array, "B 1 C"], SympowCache]:
+        """One token at index `position`, O(F E) per head whatever the context length."""
+        q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
+        state, y = sympow.decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
+                                      None if log_g is None else log_g[:, 0], p=self.p)
+        return self.merge_heads(y[:, None]), SympowCache(state, mu)
+
+    def init_cache(self, batch: int, max_length: int | None = None) -> SympowCache:
+        """An empty cache (no context); the state is float32 (float64 for float64 compute)."""
+        del max_length
+        dtype = _float_at_least_32(self.dtype)
+        state = sympow.init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p,
+                                  dtype=dtype)
+        mu = jnp.zeros((batch, self.n_kv_head), jnp.float32)
+        return SympowCache(state, mu if self.rotary.kind == "learned" else None)
+
+
+class SoftmaxAttention(_Attention):
+    """Causal softmax attention baseline (default fixed RoPE), scale 1/sqrt(D).
+
+    Uses `jax.nn.dot_product_attention(..., is_causal=True)` with implementation='cudnn'
+    on GPU for bf16/fp16 compute and 'xla' otherwise. Decoding reads a preallocated KV
+    cache (`prefill(x, max_length=L)`), in float32 softmax.
+    """
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *,
+                 rotary: str = "fixed", gating: bool = False, rngs: nnx.Rngs, **kwargs):
+        if gating:
+            raise ValueError("gating=True is only defined for sympow attention; the softmax "
+                             "baseline takes gating=False")
+        super().__init__(d_model, n_head, n_kv_head, rotary=rotary, rngs=rngs, **kwargs)
+
+    def _implementation(self) -> str:
+        low_precision = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        return "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        q, k, v, _, _ = self.project(x)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self._implementation())  # [B,T,Hq,E]
+        return self.merge_heads(y)
+
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int
+                ) -> tuple[Float[Array, "B T C"], KVCache]:
+        """Full forward over the prompt; keys/values written to a cache of max_length rows."""
+        b, t, _ = x.shape
+        if max_length < t:
+            raise ValueError(f"max_length must be >= the prompt length {t}, got "
+                             f"max_length={max_length}")
+        q, k, v, _, mu = self.project(x)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self._implementation())
+        cache = self.init_cache(b, max_length)
+        k_cache = jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0))  # [B, L, Hk, D]
+        v_cache = jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0))  # [B, L, Hk, E]
+        return self.merge_heads(y), KVCache(k_cache, v_cache, mu)
+
+    def decode(self, x: Float[Array, "B 1 C"], cache: KVCache, position: Array
+               ) -> tuple[Float[Array, "B 1 C"], KVCache]:
+        """One token at index `position` (< max_length; not checked, it is traced)."""
+        q, k, v, _, mu = self.project(x, position=position, mu0=cache.mu)
+        index = (0, position, 0, 0)
+        k_cache = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), index)
+        v_cache = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), index)
+        b, _, hq, d = q.shape
+        hk, length = self.n_kv_head, k_cache.shape[1]
+        ct = _float_at_least_32(self.dtype)
+        qg = q.reshape(b, hk, hq // hk, d).astype(ct)  # [B, Hk, R, D]
+        scores = jnp.einsum("bhrd,blhd->bhrl", qg, k_cache.astype(ct),
+                            precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+        visible = jnp.arange(length) <= position  # [L]
+        weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        y = jnp.einsum("bhrl,blhe->bhre", weights, v_cache.astype(ct),
+                       precision=jax.lax.Precision.HIGHEST)  # [B, Hk, R, E]
+        y = y.reshape(b, 1, hq, -1).astype(self.dtype)
+        return self.merge_heads(y), KVCache(k_cache, v_cache, mu)
+
+    def init_cache(self, batch: int, max_length: int) -> KVCache:
+        shape = (batch, max_length, self.n_kv_head, self.head_dim)
+        mu = jnp.zeros((batch, self.n_kv_head), jnp.float32)
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype),
+                       mu if self.rotary.kind == "learned" else None)

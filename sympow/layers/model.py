@@ -1,0 +1,266 @@
+"""GPT-2 style language model with softmax, sympow or conformal-sympow attention.
+
+The architecture of seed 002 section 4: GPT-2 (pre-LN blocks, 4x GELU MLP, biases, output
+head tied to the token embedding) with rotary instead of a position embedding table and an
+extra LayerNorm after the token embedding.
+
+    model = GPT(GPTConfig.preset("conformal", size="small", p=4), rngs=nnx.Rngs(0))
+    logits = model(tokens)                       # int [B, T] -> float32 [B, T, vocab]
+    logits, cache = model.prefill(tokens)        # chunked forward + recurrent state
+    logits, cache = model.decode_step(tok, cache)  # one token, O(1) in the context length
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+import sympow
+from sympow.layers import decode
+from sympow.layers.attention import SoftmaxAttention, SympowAttention
+
+__all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report"]
+
+ATTENTION_KINDS = ("softmax", "sympow")
+
+# The four variants of seeds 002/003. All use rotary (fixed unless learned), as in the papers.
+PRESETS: dict[str, dict[str, Any]] = {
+    "softmax": dict(attention="softmax", gating=False, rotary="fixed"),
+    "sympow": dict(attention="sympow", gating=False, rotary="fixed"),
+    "sympow_gating": dict(attention="sympow", gating=True, rotary="fixed"),
+    "conformal": dict(attention="sympow", gating=True, rotary="learned"),
+}
+_ALIASES = {"sympow+gating": "sympow_gating", "conformal-sympow": "conformal",
+            "conformal_sympow": "conformal"}
+
+# Model sizes; 'small' is GPT-2 small (124M with vocab 50304, the padded GPT-2 vocabulary).
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=4, d_model=128),
+    "small": dict(n_layer=12, n_head=12, d_model=768),
+    "medium": dict(n_layer=24, n_head=16, d_model=1024),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Static model settings (hashable).
+
+    vocab_size: token vocabulary V. n_layer, n_head, d_model: GPT-2 sizes.
+    n_kv_head: key/value heads (grouped queries); None = n_head.
+    attention: 'softmax' | 'sympow'. p: even power (sympow). gating: data-dependent gate.
+    rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
+    chunk_size, impl: passed to `sympow.sympow_attention` (None = choose).
+    dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
+    max_length: KV-cache rows of the softmax baseline when prefill gets no max_length.
+    mlp_ratio: MLP hidden width / d_model. layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
+    init_std: std of weights (GPT-2: 0.02; residual projections get init_std/sqrt(2 n_layer)).
+    """
+
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    n_kv_head: int | None = None
+    attention: str = "sympow"
+    p: int = 2
+    gating: bool = False
+    rotary: str = "fixed"
+    rotary_base: float = 65536.0
+    chunk_size: int | None = None
+    impl: str | None = None
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+    max_length: int = 1024
+    mlp_ratio: int = 4
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got "
+                             f"attention={self.attention!r}")
+        for name in ("vocab_size", "n_layer", "max_length", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+
+    @classmethod
+    def preset(cls, variant: str, size: str = "small", **overrides) -> GPTConfig:
+        """A named variant ('softmax' | 'sympow' | 'sympow_gating' | 'conformal') at a size
+        ('tiny' | 'small' | 'medium'), with any field overridden."""
+        variant = _ALIASES.get(variant, variant)
+        if variant not in PRESETS:
+            raise ValueError(f"variant must be one of {tuple(PRESETS)}, got {variant!r}")
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {tuple(SIZES)}, got size={size!r}")
+        return cls(**{**SIZES[size], **PRESETS[variant], **overrides})
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def _attention(config: GPTConfig, rngs: nnx.Rngs):
+    common = dict(gating=config.gating, rotary=config.rotary, rotary_base=config.rotary_base,
+                  dtype=config.dtype, param_dtype=config.param_dtype, init_std=config.init_std,
+                  out_init_std=config.init_std / (2 * config.n_layer) ** 0.5, rngs=rngs)
+    if config.attention == "softmax":
+        return SoftmaxAttention(config.d_model, config.n_head, config.n_kv_head, **common)
+    return SympowAttention(config.d_model, config.n_head, config.n_kv_head, p=config.p,
+                           chunk_size=config.chunk_size, impl=config.impl, **common)
+
+
+def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(config.d_model, epsilon=config.layer_norm_eps, dtype=config.dtype,
+                         param_dtype=config.param_dtype, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """Pre-LN GPT-2 block: x + attn(ln1(x)), then x + mlp(ln2(x)); MLP C -> 4C -> C, GELU."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        hidden = config.mlp_ratio * config.d_model
+        out_std = config.init_std / (2 * config.n_layer) ** 0.5
+        self.ln1 = _layer_norm(config, rngs)
+        self.attn = _attention(config, rngs)
+        self.ln2 = _layer_norm(config, rngs)
+        self.fc = nnx.Linear(config.d_model, hidden, kernel_init=nnx.initializers.normal(
+            config.init_std), dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        self.proj = nnx.Linear(hidden, config.d_model, kernel_init=nnx.initializers.normal(
+            out_std), dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+
+    def mlp(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        return self.proj(jax.nn.gelu(self.fc(x)))  # GPT-2's tanh-approximate GELU
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int):
+        y, cache = self.attn.prefill(self.ln1(x), max_length=max_length)
+        x = x + y
+        return x + self.mlp(self.ln2(x)), cache
+
+    def decode(self, x: Float[Array, "B 1 C"], cache, position: Array):
+        y, cache = self.attn.decode(self.ln1(x), cache, position)
+        x = x + y
+        return x + self.mlp(self.ln2(x)), cache
+
+
+class GPT(nnx.Module):
+    """GPT-2 language model; see the module docstring.
+
+    Token embedding (normal 0.02) -> LayerNorm -> n_layer blocks -> LayerNorm -> logits
+    against the same embedding matrix (tied head). No position table: position enters
+    through rotary. The residual stream is in the compute dtype; logits are float32
+    (float64 when the compute dtype is float64).
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.wte = nnx.Embed(config.vocab_size, config.d_model,
+                             embedding_init=nnx.initializers.normal(config.init_std),
+                             dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        self.ln_emb = _layer_norm(config, rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = _layer_norm(config, rngs)
+
+    def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T C"]:
+        return self.ln_emb(self.wte(tokens))
+
+    def head(self, x: Float[Array, "B T C"]) -> Float[Array, "B T V"]:
+        """Final LayerNorm and the tied output projection, accumulated in >= float32."""
+        x = self.ln_f(x)
+        out = jnp.promote_types(jnp.float32, jnp.dtype(self.config.dtype))
+        table = self.wte.embedding[...].astype(x.dtype)  # [V, C]
+        return jnp.einsum("btc,vc->btv", x, table, preferred_element_type=out)
+
+    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        x = self.embed(tokens)  # [B, T, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def prefill(self, tokens: Int[Array, "B T"], *, max_length: int | None = None):
+        """(logits [B, T, V], cache) after the prompt; see `sympow.layers.decode.prefill`."""
+        return decode.prefill(self, tokens, max_length=max_length)
+
+    def decode_step(self, token: Int[Array, " B"], cache: decode.GPTCache):
+        """(logits [B, V], cache) for one more token; see `sympow.layers.decode.decode_step`."""
+        return decode.decode_step(self, token, cache)
+
+    def init_cache(self, batch: int, max_length: int | None = None) -> decode.GPTCache:
+        """An empty cache (no context yet) to decode from the first token."""
+        max_length = self.config.max_length if max_length is None else max_length
+        layers = tuple(b.attn.init_cache(batch, max_length) for b in self.blocks)
+        return decode.GPTCache(layers, jnp.zeros((), jnp.int32))
+
+    def state_bytes(self, **kwargs) -> int:
+        """Inference state size; same arguments as `state_bytes(config, ...)`."""
+        return state_bytes(self.config, **kwargs)
+
+    def report(self) -> ModelReport:
+        return model_report(self.config)
+
+
+def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None,
+                bytes_per_number: int | None = None) -> int:
+    """Bytes of the decoding state of `batch` sequences.
+
+    sympow: S and Z of every layer and key/value head, via `sympow.state_bytes`
+      (independent of the context); bytes_per_number None = as stored (4: float32, or 8
+      in float64 compute). bytes_per_number=2 reproduces the seed tables (39 MB for GPT-2
+      small at p=2). Learned rotary's mu (Hk floats per layer) is not counted.
+    softmax: the KV cache, n_layer * context * Hk * 2 D numbers, context None =
+      config.max_length; bytes_per_number None = the compute dtype's.
+    """
+    d, hk = config.head_dim, config.kv_heads
+    if config.attention == "sympow":
+        per_number = bytes_per_number or jnp.promote_types(
+            jnp.float32, jnp.dtype(config.dtype)).itemsize
+        return batch * sympow.state_bytes(d, config.p, e=d, layers=config.n_layer, heads=hk,
+                                          bytes_per_number=per_number)
+    context = config.max_length if context is None else context
+    per_number = bytes_per_number or jnp.dtype(config.dtype).itemsize
+    return batch * config.n_layer * context * hk * 2 * d * per_number
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """Parameter counts by group and the decoding state size of one sequence.
+
+    groups: embedding (tied, so also the head), attention (q/k/v/out), gating (W_gamma,
+    b_gamma), rotary (W_beta), mlp, norm. state_bytes: `state_bytes(config)`.
+    """
+
+    params: int
+    groups: dict[str, int]
+    state_bytes: int
+
+    def fraction(self, group: str) -> float:
+        """Share of the parameters in `group`, e.g. 0.0009 for gating in GPT-2 small."""
+        return self.groups[group] / self.params
+
+
+_GROUPS = (("gate_proj", "gating"), ("beta_proj", "rotary"), ("wte", "embedding"),
+           ("attn", "attention"), ("fc", "mlp"), ("proj", "mlp"), ("ln", "norm"))
+
+
+def model_report(config: GPTConfig) -> ModelReport:
+    """Count parameters by group without allocating them (nnx.eval_shape)."""
+    abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    groups = {name: 0 for _, name in _GROUPS}
+    for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        names = [str(part) for part in path]
+        group = next(g for key, g in _GROUPS if any(n.startswith(key) for n in names))
+        groups[group] += int(leaf.size)
+    return ModelReport(sum(groups.values()), groups, state_bytes(config))
