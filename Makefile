@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
 
 demo: $(STAMP)
-	$(PY) examples/api_tour.py
+	PYTHON=$(abspath $(PY)) bash experiments/demo.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

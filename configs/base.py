@@ -1,0 +1,206 @@
+"""Shared base of every experiment config (not an experiment itself).
+
+Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.a.b=value``):
+
+  variant           'softmax' | 'sympow' | 'gating' | 'conformal'
+                    (sets model.attention, model.gating, model.rotary)
+  seed              parameter init seed
+  num_train_steps   training steps (``--config.num_train_steps=N`` works for every config)
+  model.*           ``sympow.layers.GPTConfig`` fields (dtype names as strings)
+  data.path         a LongCrawl64-layout store; default the embedded Austen corpus
+                    (``sympow.data.AUSTEN_PATH``); for the real data set
+                    ``--config.data.path=/path/to/longcrawl64`` (the folder holding train.zarr
+                    and heldout.zarr)
+  data.context_size training context T;  data.docs_per_batch: B (global), tokens/step = B * T
+  optim.*           Adam(W): learning_rate, b1, b2, eps, weight_decay, grad_clip,
+                    schedule ('constant' | 'cosine'), warmup_steps, min_lr_ratio
+  microbatches      gradient accumulation slices per step (same update, less memory)
+  log_every, checkpoint_every, max_checkpoints, keep_checkpoint_period, final_loss_steps
+  eval.*            contextwise evaluation defaults: length, num_windows, batch_size
+
+Paper setting (seed 000 section 2; seed 002 section 4): a GPT-2 small (124M) shaped model with
+rotary embeddings and a layernorm after the input embedding, LongCrawl64, 524,288 tokens per
+batch, bf16 mixed precision (params fp32), Adam with learning rate 6e-4 and no schedule.
+Gradient clipping (global norm 1.0) and Adam's betas (0.9, 0.999) are not stated by the papers;
+they are our choices.
+
+The config arg (after ``:`` in ``--config configs/x.py:ARG``) is a comma-separated list of
+``key=value`` items and bare words: a variant name, ``runlocal`` (a tiny smoke version that runs
+on a CPU with the embedded corpus in seconds), e.g. ``conformal,p=4,context=1024,runlocal``.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import ml_collections
+from ml_collections import config_dict
+
+from sympow.data import AUSTEN_PATH
+
+# variant -> GPTConfig fields (seed 002: sympow = fixed rotary; gating adds data-dependent
+# gates (section 3.1); conformal = gating + learned rotary (section 3.3)).
+VARIANTS = {
+    "softmax": {"attention": "softmax", "gating": False, "rotary": "fixed"},
+    "sympow": {"attention": "sympow", "gating": False, "rotary": "fixed"},
+    "gating": {"attention": "sympow", "gating": True, "rotary": "fixed"},
+    "conformal": {"attention": "sympow", "gating": True, "rotary": "learned"},
+}
+GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_kv_head": 12, "d_model": 768}
+TINY = {"n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 64}
+VOCAB_SIZE = 50304  # GPT-2's 50,257 tokens, padded to a multiple of 64
+PAPER_BATCH_TOKENS = 524_288
+PAPER_LEARNING_RATE = 6e-4
+# Seed 003 reports the loss "at the end of training on 400k documents": 400,000 x 65,536 tokens
+# = 26.2B tokens = 50,000 steps of 524,288 tokens, used at every training context.
+SWEEP_STEPS = 50_000
+# Seed 000 reports "relative loss at 100K steps" at context 4096.
+CONTEXT4096_STEPS = 100_000
+
+
+def parse_arg(arg: str | None, **defaults):
+    """``'conformal,p=4,runlocal'`` -> dict over ``defaults``' keys (values typed like them).
+
+    Bare words: a variant name sets ``variant``; ``runlocal`` sets ``runlocal=True``.
+    """
+    out = dict(defaults)
+    for item in (arg or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, text = item.partition("=")
+        if not sep:
+            if item in VARIANTS and "variant" in out:
+                key, value = "variant", item
+            elif item in out and isinstance(out[item], bool):
+                key, value = item, True
+            else:
+                raise ValueError(f"config arg: unknown word {item!r} in {arg!r} (variants "
+                                 f"{sorted(VARIANTS)}, keys {sorted(out)})")
+        else:
+            if key not in out:
+                raise ValueError(f"config arg: unknown key {key!r} in {arg!r} "
+                                 f"(keys {sorted(out)})")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
+        out[key] = value
+    if "variant" in out and out["variant"] not in VARIANTS:
+        raise ValueError(f"config arg: variant {out['variant']!r} not in {sorted(VARIANTS)}")
+    if "p" in out and (not isinstance(out["p"], int) or out["p"] <= 0 or out["p"] % 2):
+        raise ValueError(f"config arg: p must be a positive even int, got {out['p']!r}")
+    return out
+
+
+def model_config(variant: str, p: int, size: dict) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict({
+        "vocab_size": VOCAB_SIZE,
+        **size,
+        **VARIANTS[variant],
+        "p": p,
+        "chunk_size": config_dict.placeholder(int),
+        "impl": config_dict.placeholder(str),
+        "dtype": "bfloat16",
+        "param_dtype": "float32",
+    })
+
+
+def get_base_config(*, variant: str = "conformal", p: int = 2, context_size: int = 4096,
+                    batch_tokens: int = PAPER_BATCH_TOKENS, num_train_steps: int = 100_000,
+                    size: dict | None = None, runlocal: bool = False) -> ml_collections.ConfigDict:
+    """The paper setup at ``context_size`` (docs_per_batch = batch_tokens / context_size)."""
+    if batch_tokens % context_size:
+        raise ValueError(f"batch_tokens {batch_tokens} is not a multiple of {context_size}")
+    config = ml_collections.ConfigDict()
+    config.variant = variant
+    config.seed = 0
+    config.num_train_steps = num_train_steps
+    config.model = model_config(variant, p, size or GPT2_SMALL)
+    config.data = ml_collections.ConfigDict({
+        "path": str(AUSTEN_PATH),
+        "context_size": context_size,
+        "docs_per_batch": batch_tokens // context_size,
+        "backend": "auto",
+        "prefetch": 2,
+    })
+    config.optim = ml_collections.ConfigDict({
+        "name": "adam",
+        "learning_rate": PAPER_LEARNING_RATE,
+        "b1": 0.9,
+        "b2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "schedule": "constant",
+        "warmup_steps": 0,
+        "min_lr_ratio": 0.1,
+    })
+    config.microbatches = 1
+    config.log_every = 50
+    config.checkpoint_every = 1000
+    config.max_checkpoints = 3
+    config.keep_checkpoint_period = 10_000  # also keep every 10k steps (for evaluate --steps)
+    config.final_loss_steps = 0  # 0: the last 10% of steps
+    config.eval = ml_collections.ConfigDict({
+        "length": 65536,
+        "num_windows": 128,
+        "batch_size": 8,
+    })
+    if runlocal:
+        make_runlocal(config)
+    return config
+
+
+def make_runlocal(config: ml_collections.ConfigDict, context_size: int | None = None):
+    """Shrinks a config in place to a seconds-long CPU smoke run on the embedded corpus."""
+    config.model.update(TINY)
+    config.data.path = str(AUSTEN_PATH)
+    config.data.context_size = context_size or min(int(config.data.context_size), 256)
+    config.data.docs_per_batch = 4
+    config.num_train_steps = 20
+    config.log_every = 5
+    config.checkpoint_every = 10
+    config.keep_checkpoint_period = 0
+    config.eval.length = 2 * int(config.data.context_size)
+    config.eval.num_windows = 4
+    config.eval.batch_size = 1
+    return config
+
+
+def context_sweep_config(arg: str | None, *, p: int, default_context: int):
+    """One run of a training-context sweep (seed 002 section 4.1/4.2): GPT-2 small, p, context
+    T, 524,288 tokens per batch, SWEEP_STEPS steps, held-out eval at the training context."""
+    args = parse_arg(arg, variant="conformal", context=default_context, steps=SWEEP_STEPS,
+                     runlocal=False)
+    config = get_base_config(variant=args["variant"], p=p, context_size=args["context"],
+                             num_train_steps=args["steps"])
+    config.eval.length = args["context"]
+    config.eval.num_windows = max(8, PAPER_BATCH_TOKENS // args["context"] // 8)
+    if args["runlocal"]:
+        make_runlocal(config, context_size=args["context"] if "context=" in (arg or "") else 128)
+        config.num_train_steps = args["steps"] if "steps=" in (arg or "") else 20
+        config.eval.length = int(config.data.context_size)
+    return config
+
+
+def _split_list(value, cast):
+    if isinstance(value, (tuple, list)):
+        return [cast(v) for v in value]
+    return [cast(v) for v in str(value).replace("+", " ").split()]
+
+
+def context_sweep(arg: str | None, get_config, *, contexts, local_contexts):
+    """Configs of every (variant, context) of a sweep; arg: ``variants=a+b``,
+    ``contexts=256+512``, ``steps=N``, ``runlocal`` (tiny models on ``local_contexts``)."""
+    args = parse_arg(arg, variants="softmax+sympow+gating+conformal", contexts="", steps=0,
+                     runlocal=False)
+    variants = _split_list(args["variants"], str)
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"sweep arg: variant {v!r} not in {sorted(VARIANTS)}")
+    default = local_contexts if args["runlocal"] else contexts
+    ctxs = _split_list(args["contexts"], int) if args["contexts"] else list(default)
+    extra = (",runlocal" if args["runlocal"] else "") + (
+        f",steps={args['steps']}" if args["steps"] else "")
+    return [get_config(f"{v},context={t}{extra}") for v in variants for t in ctxs]

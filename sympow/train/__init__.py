@@ -1,0 +1,20 @@
+"""Training, evaluation and sweeps for the sympow GPT (the logic behind ``experiments/*.py``).
+
+- ``config``: load ``configs/*.py[:arg]``, apply ``key=value`` overrides, the workdir copy.
+- ``model``: a config's GPT as (graphdef, params, rest) for pure jitted steps.
+- ``optim``: Adam(W) + gradient clipping + optional warmup/cosine.
+- ``steps``: the train step (mean cross entropy, microbatching) and the contextwise loss.
+- ``data``: device mesh and the deterministic loader as sharded global batches.
+- ``checkpoint``: orbax checkpoints (params, optimizer state, step, RNG, data position).
+- ``metrics``: ``metrics.jsonl``, TensorBoard event files, progress bar.
+- ``trainer``: ``train(config, workdir)`` -- data parallel, exact resume, safe interruption.
+- ``evaluation``: contextwise loss of checkpoints, CSV and PNG.
+- ``sweep``: train + evaluate across training contexts, the final-loss-vs-context figure.
+
+Imports of this package are light; the submodules pull in orbax, matplotlib and the layers.
+"""
+
+from __future__ import annotations
+
+__all__ = ["checkpoint", "config", "data", "evaluation", "metrics", "model", "optim", "steps",
+           "sweep", "trainer"]

@@ -1,0 +1,123 @@
+"""Experiment configs: loading ``configs/*.py[:arg]`` files, overrides, and the workdir copy.
+
+A config is an ``ml_collections.ConfigDict`` (see ``configs/base.py`` for its fields). Every
+training run writes its config to ``<workdir>/config.json`` at start, so that evaluation and
+sweeps rebuild exactly the model that was trained.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import ml_collections
+
+CONFIG_FILE = "config.json"
+
+
+def _ensure_repo_on_path(config_file: Path) -> None:
+    """Config files import ``configs.base``: put the folder above ``configs/`` on sys.path."""
+    root = str(config_file.resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def load_module(path: str | os.PathLike):
+    """Imports a config file by path (the way ``config_flags.DEFINE_config_file`` does)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config: no such file {path}")
+    _ensure_repo_on_path(path)
+    name = f"_sympow_config_{path.stem}_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``'configs/x.py:arg'`` -> ``('configs/x.py', 'arg')``; no colon -> arg None."""
+    path, sep, arg = str(spec).partition(":")
+    return path, (arg if sep else None)
+
+
+def load_config(spec: str,
+                overrides: list[str] | tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+    """Loads ``path.py[:arg]`` by calling its ``get_config(arg)``, then applies ``key=value``
+    overrides (the same syntax as ``--config.key=value``)."""
+    path, arg = split_spec(spec)
+    module = load_module(path)
+    config = module.get_config(arg) if arg is not None else module.get_config()
+    for item in overrides:
+        apply_override(config, item)
+    return config
+
+
+def _parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare string such as softmax or /path/to/data
+
+
+def apply_override(config: ml_collections.ConfigDict, item: str) -> None:
+    """Applies one ``'a.b.c=value'`` override in place; the field must exist."""
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ValueError(f"override: {item!r} is not key=value")
+    *parents, leaf = key.strip().split(".")
+    node = config
+    for name in parents:
+        if name not in node:
+            raise ValueError(f"override: {key!r}: no field {name!r}")
+        node = node[name]
+    if leaf not in node:
+        raise ValueError(f"override: {key!r}: no field {leaf!r} (fields: {sorted(node.keys())})")
+    value = _parse_value(text)
+    current = node[leaf]
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(current, str) and not isinstance(value, str):
+        value = text
+    node[leaf] = value
+
+
+def to_dict(config) -> dict:
+    """Plain nested dict (JSON-serializable) of a ConfigDict."""
+    return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") \
+        else json.loads(json.dumps(config))
+
+
+def save_config(config, workdir: str | os.PathLike) -> Path:
+    """Writes ``<workdir>/config.json``; returns its path."""
+    path = Path(workdir) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_dict(config), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+    """The config a training run saved in its workdir."""
+    path = Path(workdir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"workdir: {workdir} has no {CONFIG_FILE} (not a training run?)")
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    keys = sorted(set(old) | set(new))
+    out = []
+    for key in keys:
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

@@ -1,0 +1,149 @@
+"""Context-size sweeps: train and evaluate every (variant, training context) of a sweep file.
+
+A sweep file is a config file with ``get_sweep(arg) -> list[ConfigDict]`` (one training config
+per run; see ``configs/sweep_p4.py``). ``run_sweep`` trains each run in
+``<workdir>/<variant>_ctx<T>`` (resuming unfinished ones, skipping finished ones), evaluates its
+held-out loss at the training context, and writes ``sweep.csv`` and ``sweep.png``: final loss
+vs training context, one line per variant (seed 002, Figure 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from sympow.train import config as configlib
+from sympow.train.evaluation import evaluate_workdir
+from sympow.train.trainer import SUMMARY_FILE, train
+
+log = logging.getLogger("sympow.train")
+
+CSV_FILE, PNG_FILE = "sweep.csv", "sweep.png"
+FIELDS = ("variant", "p", "context", "final_loss", "heldout_loss", "steps", "tokens_per_sec",
+          "workdir")
+
+
+def load_sweep(spec: str) -> list:
+    """The run configs of ``path.py[:arg]`` (its ``get_sweep(arg)``)."""
+    path, arg = configlib.split_spec(spec)
+    module = configlib.load_module(path)
+    if not hasattr(module, "get_sweep"):
+        raise ValueError(f"sweep: {path} has no get_sweep(arg)")
+    runs = module.get_sweep(arg) if arg is not None else module.get_sweep()
+    if not runs:
+        raise ValueError(f"sweep: {spec} has no runs")
+    return list(runs)
+
+
+def run_name(config) -> str:
+    variant = config.get("variant", "model")
+    p = "" if config.model.attention == "softmax" else f"_p{config.model.p}"
+    return f"{variant}{p}_ctx{config.data.context_size}"
+
+
+def _finished(run_dir: Path, num_train_steps: int) -> dict | None:
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    done = summary.get("steps", 0) >= num_train_steps and not summary.get("interrupted")
+    return summary if done else None
+
+
+def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str] = (),
+              evaluate: bool = True, eval_windows: int | None = None,
+              progress: bool = True) -> list[dict]:
+    """Trains (or resumes) and evaluates every run of the sweep; returns the table rows.
+
+    Stops early (returning the rows so far) if a run is interrupted (SIGTERM / Ctrl-C):
+    rerunning the same command resumes it.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    runs = load_sweep(spec)
+    for i, config in enumerate(runs):
+        for item in overrides:
+            configlib.apply_override(config, item)
+        name = run_name(config)
+        run_dir = workdir / name
+        log.info("sweep run %d/%d: %s", i + 1, len(runs), name)
+        print(f"[sweep {i + 1}/{len(runs)}] {name}", flush=True)
+        summary = _finished(run_dir, int(config.num_train_steps))
+        if summary is None:
+            summary = train(config, run_dir, progress=progress)
+            if summary.get("interrupted"):
+                log.warning("sweep interrupted during %s; rerun to resume", name)
+                break
+        heldout = math.nan
+        if evaluate:
+            curve, = evaluate_workdir(run_dir, length=int(config.data.context_size),
+                                      num_windows=eval_windows)
+            heldout = curve.mean
+        rows.append({
+            "variant": config.get("variant", ""), "p": int(config.model.p),
+            "context": int(config.data.context_size), "final_loss": summary["final_loss"],
+            "heldout_loss": heldout, "steps": summary["steps"],
+            "tokens_per_sec": summary.get("tokens_per_sec", math.nan), "workdir": str(run_dir)})
+        write_csv(workdir / CSV_FILE, rows)
+    if rows:
+        write_csv(workdir / CSV_FILE, rows)
+        plot_sweep(workdir / PNG_FILE, rows, title=f"sweep {Path(spec.split(':')[0]).stem}")
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    with Path(path).open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
+    return Path(path)
+
+
+def read_csv(path: str | os.PathLike) -> list[dict]:
+    with Path(path).open() as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in ("p", "context", "steps"):
+            row[key] = int(row[key])
+        for key in ("final_loss", "heldout_loss", "tokens_per_sec"):
+            row[key] = float(row[key])
+    return rows
+
+
+def plot_sweep(path: str | os.PathLike, rows: list[dict], *, title: str | None = None) -> Path:
+    """Final training loss (and held-out loss, if evaluated) vs training context, log2 x, one
+    line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("final_loss", "final training loss")]
+    if any(math.isfinite(r["heldout_loss"]) for r in rows):
+        metrics.append(("heldout_loss", "held-out loss at training context"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2), squeeze=False)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for ax, (key, ylabel) in zip(axes[0], metrics, strict=False):
+        for variant in variants:
+            pts = sorted((r["context"], r[key]) for r in rows if r["variant"] == variant)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=variant)
+        ax.set_xscale("log", base=2)
+        contexts = sorted({r["context"] for r in rows})
+        ax.set_xticks(contexts, [str(c) for c in contexts], fontsize=8)
+        ax.set_xlabel("training context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
