@@ -18,9 +18,10 @@ v [B, Hk, N, C, E]; g [B, Hk, N, C]; states s [B, Hk, N, F, E], z [B, Hk, N, F].
 
 Numerics: phi is homogeneous of degree P and each row of attention is a distribution, so
 scaling Q_i by any c_i > 0 and all keys of a head by one c > 0 leaves Y unchanged (with
-gating too). The driver divides each query by its norm and the keys by their largest norm
-(scales under stop_gradient, which keeps gradients exact), so every |Q_i . K_j| <= 1 and no
-power can overflow, whatever P and the input norms.
+gating too). The driver divides each query by a power of two at least its norm and the keys
+by one at least their largest norm (scales under stop_gradient, which keeps gradients exact;
+powers of two add no rounding), so every |Q_i . K_j| <= 1 and no power can overflow,
+whatever P and the input norms.
 """
 
 from __future__ import annotations
@@ -90,16 +91,19 @@ def from_chunks(y: Float[Array, "B H N C E"], length: int) -> Float[Array, "B T 
 
 
 def normalize_queries_and_keys(q: Array, k: Array) -> tuple[Array, Array, Float[Array, "B Hk"]]:
-    """Q_i / |Q_i| and K / max_j |K_j| per (batch, head), in the inputs' dtype.
+    """Q_i / s_i and K / s per (batch, head) with power-of-two scales s_i >= |Q_i|,
+    s >= max_j |K_j|, in the inputs' dtype.
 
-    Exact for the outputs (see the module docstring). Returns (q, k, key_scale) with
-    key_scale = max_j |K_j| [B, Hk] (1 where every key is zero), to restore true states.
+    Exact for the outputs (see the module docstring). Dividing by a power of two only shifts
+    exponents, so the scaled bf16 inputs carry no extra rounding. Returns (q, k, key_scale)
+    with key_scale = s [B, Hk] (1 where every key is zero), to restore true states.
     """
     ct = compute_dtype(q, k)
     q_norm = jnp.linalg.norm(q.astype(ct), axis=-1, keepdims=True)
     k_scale = jnp.max(jnp.linalg.norm(k.astype(ct), axis=-1), axis=1)  # [B, Hk]
-    q_norm = jax.lax.stop_gradient(jnp.where(q_norm > 0, q_norm, 1.0))
-    k_scale = jax.lax.stop_gradient(jnp.where(k_scale > 0, k_scale, 1.0))
+    power_of_two = lambda x: jax.lax.stop_gradient(  # noqa: E731
+        jnp.where(x > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(x > 0, x, 1.0)))), 1.0))
+    q_norm, k_scale = power_of_two(q_norm), power_of_two(k_scale)
     q_unit = (q.astype(ct) / q_norm).astype(q.dtype)
     k_unit = (k.astype(ct) / k_scale[:, None, :, None]).astype(k.dtype)
     return q_unit, k_unit, k_scale
