@@ -29,10 +29,15 @@ def on_gpu() -> bool:
 
 
 def available_impls() -> tuple[str, ...]:
-    """Implementations usable on the default backend, fastest first."""
+    """Implementations usable on the default backend, fastest first.
+
+    Off GPU the kernel tiers run only in interpret mode (for tests), so they come last and
+    are never the default.
+    """
     from sympow import kernels
 
-    return tuple(i for i in IMPLS if i in ("xla", "reference") or kernels.is_available(i))
+    order = IMPLS if on_gpu() else ("xla", "reference", "mosaic_gpu", "pallas")
+    return tuple(i for i in order if i in ("xla", "reference") or kernels.is_available(i))
 
 
 def resolve_impl(impl: str | None) -> str:

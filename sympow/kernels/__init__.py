@@ -27,3 +27,4 @@ def default_chunk_size(length: int, impl: str) -> int:
 def primitives(config):
     """The ChunkPrimitives of a kernel impl for a resolved AttentionConfig."""
     return _REGISTRY[config.impl][2](config)
+from sympow.kernels import pallas as _pallas  # noqa: E402,F401  (registers impl="pallas")

@@ -1,0 +1,275 @@
+"""Time sympow attention (impl='pallas', 'xla') against cuDNN softmax attention on GPU.
+
+  PYTHONPATH=. python3 experiments/benchmark.py --out=$OUT          # the sweep
+  PYTHONPATH=. python3 experiments/benchmark.py --breakdown         # per-kernel, T=65536 H=8
+
+Sweep: bf16, B*T = 65536, T in --ts, H in --heads, d = e = 64, p = 2, gating on (sympow),
+causal. Each (impl, T, H) runs in its own process, so peak_bytes_in_use is that case's peak
+of fwd+bwd (inputs included). Times are medians of --reps runs after warm-up, each ended by
+block_until_ready. Writes benchmark.json and benchmark.png (log-log time vs T) under --out
+and prints a table with the ratio to cuDNN of the same run.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+
+_TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
+_HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
+_IMPLS = flags.DEFINE_list("impls", ["pallas", "cudnn", "xla"], "implementations")
+_REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")
+_CHUNK = flags.DEFINE_integer("chunk", None, "sympow chunk size (None: the impl's default)")
+_OUT = flags.DEFINE_string("out", None, "directory for benchmark.json / benchmark.png")
+_CASE = flags.DEFINE_string("case", None, "internal: impl,T,H of one case (prints JSON)")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "per-kernel times at --ts[-1], --heads[0]")
+_VARIANTS = flags.DEFINE_list(
+    "variants", [""], "breakdown: plan overrides to compare, each 'field=value;...' with "
+    "fields of sympow.kernels.pallas_common.Plan (and chunk=)")
+_XLA_MAX_T = flags.DEFINE_integer("xla_max_t", 16384, "skip impl='xla' above this T")
+_TIMEOUT = flags.DEFINE_integer("timeout", 240, "seconds per case process")
+_TOKENS = flags.DEFINE_integer("tokens", 65536, "B * T")
+
+D = 64
+
+
+def timed(fn, *args, reps: int) -> float:
+    """Median milliseconds of fn(*args) (after two warm-up calls)."""
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(t: int, h: int, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    shape = (_TOKENS.value // t, t, h, D)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:4])
+    log_g = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], shape[:3], jnp.float32))
+    return q, k, v, log_g, ct
+
+
+def attention_fn(impl: str, chunk: int | None = None):
+    import jax
+
+    import sympow
+
+    if impl == "cudnn":
+        return lambda q, k, v, log_g: jax.nn.dot_product_attention(
+            q, k, v, implementation="cudnn", is_causal=True)
+    return lambda q, k, v, log_g: sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl,
+                                                          chunk_size=chunk or _CHUNK.value)
+
+
+def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
+    import jax
+
+    import sympow.kernels.pallas  # noqa: F401
+
+    q, k, v, log_g, ct = make_inputs(t, h)
+    f = attention_fn(impl, chunk)
+    fwd = jax.jit(f)
+
+    @jax.jit
+    def fwd_bwd(q, k, v, log_g):
+        y, vjp = jax.vjp(f, q, k, v, log_g)
+        return vjp(ct.astype(y.dtype))
+
+    device = jax.devices()[0]
+    base = (device.memory_stats() or {}).get("bytes_in_use", 0)
+    jax.block_until_ready(fwd_bwd(q, k, v, log_g))
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+    return dict(impl=impl, t=t, h=h, b=_TOKENS.value // t, fwd_ms=timed(fwd, q, k, v, log_g,
+                                                                  reps=_REPS.value),
+                fwd_bwd_ms=timed(fwd_bwd, q, k, v, log_g, reps=_REPS.value),
+                peak_gib=peak / 2**30, inputs_gib=base / 2**30, device=device.device_kind,
+                jax=jax.__version__)
+
+
+def override_plans(spec: str) -> int | None:
+    """Apply 'field=value;...' to every Plan the tier makes; returns chunk= if given."""
+    import dataclasses
+
+    from sympow.kernels import pallas
+
+    fields = dict(kv.split("=") for kv in spec.split(";") if kv)
+    chunk = fields.pop("chunk", None)
+    base = getattr(pallas.make_plan, "__wrapped_base__", pallas.make_plan)
+
+    def make_plan(*args):
+        plan = base(*args)
+        if isinstance(plan, str) or not fields:
+            return plan
+        return dataclasses.replace(plan, **{k: type(getattr(plan, k))(v) if not isinstance(
+            getattr(plan, k), bool) else v == "True" for k, v in fields.items()})
+
+    make_plan.__wrapped_base__ = base
+    pallas.make_plan = make_plan
+    return None if chunk is None else int(chunk)
+
+
+def breakdown(t: int, h: int, spec: str = "") -> dict:
+    """fwd and bwd (= fwd+bwd - fwd) of each primitive at one size, with achieved rates."""
+    import jax
+    import jax.numpy as jnp
+
+    from sympow.attention.chunked import normalize_queries_and_keys, to_chunks
+    from sympow.attention.config import AttentionConfig
+    from sympow.kernels import pallas
+
+    jax.clear_caches()  # the public API's jit would reuse the previous variant's kernels
+    c = override_plans(spec) or _CHUNK.value or pallas.default_chunk_size(t)
+    q, k, v, log_g, _ = make_inputs(t, h)
+    n = t // c
+    q, k, _ = normalize_queries_and_keys(q, k)
+    qc, kc, vc = (to_chunks(x, n, c) for x in (q, k, v))
+    g = jnp.cumsum(to_chunks(log_g, n, c), axis=-1)
+    interpret = jax.default_backend() != "gpu"
+    prims = pallas.primitives_factory(AttentionConfig(p=2, chunk_size=c, impl="pallas",
+                                                      interpret=interpret))
+    plan = pallas.make_plan(2, D, D, c, "bfloat16", interpret)
+    f_dim, b = plan.features, _TOKENS.value // t
+    s, z = jax.jit(lambda k, v, g: prims.update_state(k, v, g, p=2))(kc, vc, g)
+    s_in, z_in, *_ = jax.jit(prims.prefix_sum)(s, z, g[..., -1])
+    o, den, m = jax.jit(lambda *a: prims.attention(*a, p=2))(qc, kc, vc, g)
+    state_flop = 2 * b * h * t * f_dim * D  # one [T, F] x [F, E] product per head
+    attn_flop = 2 * b * h * t * (c / 2) * 2 * D  # causal QK^T and PV
+    state_bytes = b * h * n * f_dim * D * 4
+    items = [
+        ("attention", lambda *a: prims.attention(*a, p=2), (qc, kc, vc, g), attn_flop, 2.5),
+        ("update_state", lambda *a: prims.update_state(*a, p=2), (kc, vc, g), state_flop, 2),
+        ("prefix_sum", prims.prefix_sum, (s, z, g[..., -1]), None, None),
+        ("query_state", lambda *a: prims.query_state(*a, p=2),
+         (qc, s_in, z_in, g, o, den, m), state_flop, 2),
+    ]
+    print(f"breakdown [{spec}] T={t} H={h} B={b} C={c} F={f_dim} tile={plan.tile} "
+          f"states {state_bytes / 2**30:.2f} GiB per pass")
+    rows = []
+    for name, fn, args, flop, bwd_factor in items:
+        out = jax.eval_shape(fn, *args)
+        cts = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype) * 0.01, out)
+
+        def fb(*a, fn=fn, cts=cts):
+            _, vjp = jax.vjp(fn, *a)
+            return vjp(cts)
+
+        f_ms = timed(jax.jit(fn), *args, reps=_REPS.value)
+        fb_ms = timed(jax.jit(fb), *args, reps=_REPS.value)
+        rate = lambda fl, ms: f"{fl / ms / 1e9:6.1f} TFLOP/s" if fl else (  # noqa: E731
+            f"{2 * state_bytes / ms / 1e6:6.0f} GB/s")
+        print(f"  {name:13s} fwd {f_ms:7.2f} ms ({rate(flop, f_ms)})   bwd {fb_ms - f_ms:7.2f} ms "
+              f"({rate(flop and flop * bwd_factor, fb_ms - f_ms)})")
+        rows.append(dict(name=name, fwd_ms=f_ms, bwd_ms=fb_ms - f_ms))
+    whole = run_case("pallas", t, h, chunk=c)
+    print(f"  whole call    fwd {whole['fwd_ms']:7.2f} ms   fwd+bwd {whole['fwd_bwd_ms']:7.2f} ms",
+          flush=True)
+    return dict(spec=spec, chunk=c, rows=rows, whole=whole)
+
+
+def sweep() -> list[dict]:
+    results = []
+    for h in map(int, _HEADS.value):
+        for t in map(int, _TS.value):
+            for impl in _IMPLS.value:
+                if impl == "xla" and t > _XLA_MAX_T.value:
+                    results.append(dict(impl=impl, t=t, h=h, skipped=f"T > {_XLA_MAX_T.value}"))
+                    continue
+                cmd = [sys.executable, __file__, f"--case={impl},{t},{h}",
+                       f"--reps={_REPS.value}", f"--tokens={_TOKENS.value}"]
+                cmd += [f"--chunk={_CHUNK.value}"] if _CHUNK.value else []
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True,
+                                          timeout=_TIMEOUT.value)
+                    line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+                    res = json.loads(line[-1]) if line else dict(
+                        impl=impl, t=t, h=h, skipped=proc.stderr.strip().splitlines()[-1][:200])
+                except subprocess.TimeoutExpired:
+                    res = dict(impl=impl, t=t, h=h, skipped=f"timeout {_TIMEOUT.value}s")
+                print(json.dumps(res), flush=True)
+                results.append(res)
+    return results
+
+
+def report(results: list[dict]) -> None:
+    cudnn = {(r["t"], r["h"]): r for r in results if r["impl"] == "cudnn" and "fwd_ms" in r}
+    print(f"\n{'impl':7s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
+          f"{'peak GiB':>9s}")
+    for r in results:
+        if "fwd_ms" not in r:
+            print(f"{r['impl']:7s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
+            continue
+        base = cudnn.get((r["t"], r["h"]))
+        ratio = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}x" if base else "       -"
+        print(f"{r['impl']:7s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+              f"{ratio} {r['peak_gib']:9.2f}")
+    if not _OUT.value:
+        return
+    out = Path(_OUT.value)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmark.json").write_text(json.dumps(results, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = sorted({r["h"] for r in results})
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.5), squeeze=False)
+    for ax, h in zip(axes[0], heads, strict=True):
+        for impl in _IMPLS.value:
+            pts = sorted((r["t"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in results
+                         if r["impl"] == impl and r["h"] == h and "fwd_ms" in r)
+            if pts:
+                ts, f, fb = zip(*pts, strict=True)
+                line, = ax.plot(ts, fb, "o-", label=f"{impl} fwd+bwd")
+                ax.plot(ts, f, "x--", color=line.get_color(), label=f"{impl} fwd")
+        ax.set(xscale="log", yscale="log", xlabel="T (B*T = 65536)", ylabel="ms",
+               title=f"bf16, H={h}, d=64, p=2, causal")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "benchmark.png", dpi=120)
+
+
+def main(argv):
+    del argv
+    if _CASE.value:
+        impl, t, h = _CASE.value.split(",")
+        print(json.dumps(run_case(impl, int(t), int(h))))
+    elif _BREAKDOWN.value:
+        results = []
+        for spec in _VARIANTS.value:
+            try:
+                results.append(breakdown(int(_TS.value[-1]), int(_HEADS.value[0]), spec))
+            except Exception as err:  # noqa: BLE001  (a variant may not compile)
+                print(f"variant [{spec}] failed: {type(err).__name__}: {str(err)[:300]}")
+        print("\nvariant                         " + "".join(
+            f"{r['name'][:9]:>10s}f{'':>1s}{r['name'][:5]:>6s}b" for r in results[0]["rows"])
+            + "   fwd  fwd+bwd" if results else "")
+        for res in results:
+            print(f"{res['spec'] or 'default':30s} " + "".join(
+                f"{r['fwd_ms']:11.2f}{r['bwd_ms']:7.2f}" for r in res["rows"])
+                + f" {res['whole']['fwd_ms']:6.2f} {res['whole']['fwd_bwd_ms']:7.2f}")
+        if _OUT.value:
+            Path(_OUT.value).mkdir(parents=True, exist_ok=True)
+            Path(_OUT.value, "breakdown.json").write_text(json.dumps(results, indent=1))
+    else:
+        report(sweep())
+
+
+if __name__ == "__main__":
+    app.run(main)

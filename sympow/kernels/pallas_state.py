@@ -1,0 +1,364 @@
+"""State kernels of the chunked algorithm: update_state, query_state and the prefix sum.
+
+Two kernel shapes cover the four state products, phi expanded tile by tile in registers
+(never written to memory); x is a row block (keys or queries) scaled per row by exp(ls):
+
+* rows -> state (`rows_to_state`), one program per (chunk, tile, value block):
+    S_tile = sum_rows phi_tile(x)^T A,  z_tile = sum_rows phi_tile(x) b
+  update_state forward (x = K, ls = (g_last - g) / p, A = V, b = 1) and the query_state
+  backward's state cotangent (x = Q of the R query heads, ls = g / p, A = dO_inter,
+  b = dden_inter).
+* state -> rows, one program per (chunk, query head, row block), looping over the tiles:
+  query_state forward (`query_rows`: phi(x) S and phi(x) z, then the combine with the
+  intra-chunk (o, den, m)), and `rows_grad`: dphi = A S^T + b z^T chained back through the
+  tile products to dx, plus optionally phi(x) S: the query_state backward's dQ
+  (S = S_in, A = dO_inter, b = dden_inter) and the update_state backward's dK and dV
+  (S = dS, A = V, b = 1, out = phi(K) dS).
+Both return the row-scale cotangent dls = sum_d dx x for the gate gradients.
+
+The prefix sum walks the chunks sequentially per (kv head, feature block): fwd
+P_{n+1} = exp(g_last_n) P_n + S_n; bwd the reverse recursion plus d exp(g_last_n).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from sympow.kernels.pallas_common import (
+    Plan,
+    PrefixPlan,
+    dot,
+    idiv,
+    irem,
+    launch,
+    load_factors,
+    scatter_blocks,
+    split_heads,
+    tile_factor_grads,
+    tile_products,
+    tile_tables,
+)
+
+
+def _tables(plan: Plan):
+    blocks, weights = tile_tables(plan.d, plan.p, plan.tile)
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
+    return (jnp.asarray(blocks), jnp.asarray(weights)), [full(blocks), full(weights)]
+
+
+def _tile(blocks_ref, weights_ref, f, p: int):
+    return [blocks_ref[f, k] for k in range(p)], weights_ref[f]
+
+
+def _rows_to_state_kernel(blocks_ref, weights_ref, x_ref, ls_ref, a_ref, *refs, plan: Plan,
+                          groups: int, n_eb: int, has_b: bool):
+    b_ref, s_ref, z_ref = refs if has_b else (None, *refs)
+    br, tp = plan.state_br, plan.tile_features
+    n_rb = plan.c // br
+    blocks, weight = _tile(blocks_ref, weights_ref, idiv(pl.program_id(0), n_eb), plan.p)
+
+    def body(it, carry):
+        s, z = carry
+        r = idiv(it, n_rb)
+        rows = pl.ds(pl.multiple_of(irem(it, n_rb) * br, br), br)
+        scale = jnp.exp(ls_ref[rows])
+        phi = tile_products(load_factors(x_ref, blocks, plan.tile, scale, rows, (r,)))[-1] * weight
+        if plan.state_transposed:  # S^T += A^T phi: phi is the B operand, no transpose
+            s = s + dot(a_ref[r, rows, :], phi, plan, trans_a=True)  # [be, tp]
+        else:
+            s = s + dot(phi, a_ref[r, rows, :], plan, trans_a=True)  # [tp, be]
+        zw = phi if b_ref is None else phi * b_ref[r, rows][:, None]
+        return s, z + jnp.sum(zw, axis=0)
+
+    shape = (plan.state_be, tp) if plan.state_transposed else (tp, plan.state_be)
+    init = (jnp.zeros(shape, jnp.float32), jnp.zeros((tp,), jnp.float32))
+    s, z = jax.lax.fori_loop(0, groups * n_rb, body, init)
+    s_ref[...] = s.T if plan.state_transposed else s
+
+    @pl.when(irem(pl.program_id(0), n_eb) == 0)
+    def _():
+        z_ref[...] = z
+
+
+def rows_to_state(x, ls, a, b, plan: Plan, *, name: str):
+    """S [B,Hk,N,F,E], z [B,Hk,N,F] (float32) summed over rows and the R heads of a group.
+
+    x [B, R Hk, N, C, D]; ls [B, Hk, N, C] row log-scales; a [B, R Hk, N, C, E];
+    b [B, R Hk, N, C] or None (ones).
+    """
+    bsz, hx, n, c, d = x.shape
+    hk = ls.shape[1]
+    groups, e, be, tp = hx // hk, a.shape[-1], plan.state_be, plan.tile_features
+    n_eb = e // be
+    tables, table_specs = _tables(plan)
+    at = lambda *blk: lambda i, n_, bh: (*split_heads(bh, hk), n_) + blk  # noqa: E731
+    in_specs = [*table_specs,
+                pl.BlockSpec((None, groups, None, c, d), at(0, 0)),
+                pl.BlockSpec((None, None, None, c), at(0)),
+                pl.BlockSpec((None, groups, None, c, be),
+                             lambda i, n_, bh: (*split_heads(bh, hk), n_, 0, irem(i, n_eb)))]
+    args = [*tables, x, ls, a.astype(plan.mm_dtype)]
+    if b is not None:
+        in_specs.append(pl.BlockSpec((None, groups, None, c), at(0)))
+        args.append(b)
+    f32 = jnp.float32
+    return launch(
+        lambda *refs: _rows_to_state_kernel(*refs, plan=plan, groups=groups, n_eb=n_eb,
+                                            has_b=b is not None),
+        plan=plan, name=name, grid=(plan.n_tiles * n_eb, n, bsz * hk), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, tp, be), lambda i, n_, bh: (
+                       *split_heads(bh, hk), n_, idiv(i, n_eb), irem(i, n_eb))),
+                   pl.BlockSpec((None, None, None, tp),
+                                lambda i, n_, bh: (*split_heads(bh, hk), n_, idiv(i, n_eb)))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, hk, n, plan.features, e), f32),
+                   jax.ShapeDtypeStruct((bsz, hk, n, plan.features), f32)],
+        warps=plan.warps_state)(*args)
+
+
+def _row_specs(plan: Plan, hx: int, hk: int, br: int):
+    """Specs for grid (R * C / br, N, B Hk): row block i % (C / br) of head hk R + i // (C / br)."""
+    groups, n_rb = hx // hk, plan.c // br
+
+    def per_row(width=None):  # [B, Hx, N, C(, W)]
+        shape = (None, None, None, br) + (() if width is None else (width,))
+        return pl.BlockSpec(shape, lambda i, n, bh: (
+            idiv(bh, hk), irem(bh, hk) * groups + idiv(i, n_rb), n, irem(i, n_rb))
+            + (() if width is None else (0,)))
+
+    ls = pl.BlockSpec((None, None, None, br),
+                      lambda i, n, bh: (*split_heads(bh, hk), n, irem(i, n_rb)))
+    state = pl.BlockSpec((None, None, None, plan.features, plan.e),
+                         lambda i, n, bh: (*split_heads(bh, hk), n, 0, 0))
+    norm = pl.BlockSpec((None, None, None, plan.features),
+                        lambda i, n, bh: (*split_heads(bh, hk), n, 0))
+    return per_row, ls, state, norm
+
+
+def _tile_loop(plan: Plan, blocks_ref, weights_ref, x_ref, scale, body, init):
+    """fori_loop over the tiles; body(carry, blocks, factors, prods, weight, feats)."""
+    def step(f, carry):
+        blocks, weight = _tile(blocks_ref, weights_ref, f, plan.p)
+        factors = load_factors(x_ref, blocks, plan.tile, scale)
+        feats = pl.ds(pl.multiple_of(f * plan.tile_features, plan.tile_features),
+                      plan.tile_features)
+        return body(carry, blocks, factors, tile_products(factors), weight, feats)
+    return jax.lax.fori_loop(0, plan.n_tiles, step, init)
+
+
+def combine_rows(o, den, m, inter_o, inter_den):
+    """`chunked.combine` as row scales: y = o ci + inter_o ce, with (y, ci, ce).
+
+    ci = w_intra / total, ce = w_inter / total (0 where the total is 0), the same shared
+    max as combine, so the backward needs only ci and ce.
+    """
+    has_intra, has_inter = den > 0, inter_den > 0
+    log_inter = jnp.where(has_inter, jnp.log(jnp.where(has_inter, inter_den, 1.0)), -jnp.inf)
+    shared = jnp.maximum(jnp.where(has_intra, m, -jnp.inf), log_inter)
+    shared = jnp.where(shared == -jnp.inf, 0.0, shared)
+    w_intra = jnp.where(has_intra, jnp.exp(jnp.where(has_intra, m - shared, 0.0)), 0.0)
+    w_inter = jnp.exp(-shared)
+    total = den * w_intra + inter_den * w_inter
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    ci, ce = w_intra * inv, w_inter * inv
+    return o * ci[:, None] + inter_o * ce[:, None], ci, ce
+
+
+def _query_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, o_ref, den_ref, m_ref,
+                  y_ref, ci_ref, ce_ref, *, plan: Plan):
+    scale = jnp.exp(ls_ref[...])
+
+    def body(carry, blocks, factors, prods, weight, feats):
+        num, den = carry
+        phi = prods[-1] * weight  # [br, tp]
+        return (num + dot(phi, s_ref[feats, :], plan),
+                den + dot(phi, _split_columns(z_ref[feats], plan), plan))
+
+    init = (jnp.zeros((plan.rows_br, plan.e), jnp.float32),
+            jnp.zeros((plan.rows_br, 16), jnp.float32))
+    inter_o, den16 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init)
+    inter_den = jnp.sum(den16, axis=1)
+    y, ci, ce = combine_rows(o_ref[...], den_ref[...], m_ref[...], inter_o, inter_den)
+    y_ref[...] = y
+    ci_ref[...] = ci
+    ce_ref[...] = ce
+
+
+def _state_operand(s, plan: Plan):
+    """The state as the state -> rows kernels load it: float32 (cast per tile, in registers)
+    when E <= 64; above, cast to the matmul dtype first (the product rounds it there anyway),
+    since 3 stages of [256, 128] float32 tiles overflow shared memory. The cast is an extra
+    pass over the states (0.5 ms at T=65536, H=8, E=64 on H100), so it is not the default."""
+    return s.astype(plan.mm_dtype) if plan.e > 64 else s
+
+
+def _split_columns(z, plan: Plan):
+    """[tp] f32 -> [tp, 16] (hi, lo, 0, ...) whose product with phi sums to phi . z.
+
+    The normalizer rides on the tensor cores instead of a cross-lane row reduction per
+    tile; splitting z into two matmul-dtype parts keeps it at float32 accuracy.
+    """
+    col = jnp.arange(16, dtype=jnp.int32)[None, :]
+    hi = z.astype(plan.mm_dtype).astype(jnp.float32)
+    return jnp.where(col == 0, hi[:, None], jnp.where(col == 1, (z - hi)[:, None], 0.0))
+
+
+def query_rows(q, ls, s, z, o, den, m, plan: Plan):
+    """query_state forward: (y [B,Hq,N,C,E], ci, ce [B,Hq,N,C]) in float32.
+
+    q [B,Hq,N,C,D]; ls = g / p [B,Hk,N,C]; s [B,Hk,N,F,E], z [B,Hk,N,F] (kernel layout).
+    z stays float32 (`_split_columns`); s see `_state_operand`.
+    """
+    bsz, hq, n, c, _ = q.shape
+    hk = s.shape[1]
+    n_rb = c // plan.rows_br
+    per_row, ls_spec, state, norm = _row_specs(plan, hq, hk, plan.rows_br)
+    tables, table_specs = _tables(plan)
+    f32 = jnp.float32
+    rows_e = jax.ShapeDtypeStruct((bsz, hq, n, c, plan.e), f32)
+    rows_1 = jax.ShapeDtypeStruct((bsz, hq, n, c), f32)
+    return launch(
+        lambda *refs: _query_kernel(*refs, plan=plan), plan=plan, name="sympow_query_state",
+        grid=(hq // hk * n_rb, n, bsz * hk),
+        in_specs=[*table_specs, per_row(plan.d), ls_spec, state, norm, per_row(plan.e),
+                  per_row(), per_row()],
+        out_specs=[per_row(plan.e), per_row(), per_row()],
+        out_shape=[rows_e, rows_1, rows_1], warps=plan.warps_state, stages=plan.rows_stages,
+    )(*tables, q, ls, _state_operand(s, plan), z, o, den, m)
+
+
+def _rows_grad_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, a_ref, *refs,
+                      plan: Plan, br: int, has_b: bool, with_out: bool):
+    refs = list(refs)
+    b = refs.pop(0)[...] if has_b else None
+    dx_ref, dls_ref = refs[:2]
+    scale = jnp.exp(ls_ref[...])
+    a = a_ref[...]
+    t = plan.tile
+
+    def body(carry, blocks, factors, prods, weight, feats):
+        dx3, out = carry
+        s_t, z_t = s_ref[feats, :], z_ref[feats]
+        dphi = dot(a, s_t, plan, trans_b=True)  # [br, tp]
+        dphi = dphi + (z_t[None, :] if b is None else b[:, None] * z_t[None, :])
+        dx3 = scatter_blocks(dx3, tile_factor_grads(dphi * weight, factors, prods), blocks)
+        if with_out:
+            out = out + dot(prods[-1] * weight, s_t, plan)
+        return dx3, out
+
+    init = (jnp.zeros((br, plan.d // t, t), jnp.float32),
+            jnp.zeros((br, plan.e) if with_out else (), jnp.float32))
+    dx3, out = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init)
+    dx = dx3.reshape(br, plan.d)
+    x = x_ref[...].astype(jnp.float32) * scale[:, None]
+    dx_ref[...] = (dx * scale[:, None]).astype(dx_ref.dtype)
+    dls_ref[...] = jnp.sum(dx * x, axis=1)
+    if with_out:
+        refs[2][...] = out.astype(refs[2].dtype)
+
+
+def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
+    """Backward through phi(x) against a state: (dx [like x], dls [B,Hx,N,C] f32[, out]).
+
+    dphi = a s^T + b z^T (b None: ones); out = phi(x) s [B,Hx,N,C,E] in a's dtype.
+    x, a, b are per row of head Hx = R Hk; ls, s, z per kv head.
+    """
+    bsz, hx, n, c, d = x.shape
+    hk = s.shape[1]
+    br = plan.rows_br if with_out else plan.dq_br
+    per_row, ls_spec, state, norm = _row_specs(plan, hx, hk, br)
+    tables, table_specs = _tables(plan)
+    in_specs = [*table_specs, per_row(d), ls_spec, state, norm, per_row(plan.e)]
+    args = [*tables, x, ls, _state_operand(s, plan), z, a.astype(plan.mm_dtype)]
+    if b is not None:
+        in_specs.append(per_row())
+        args.append(b)
+    out_specs = [per_row(d), per_row()]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((bsz, hx, n, c), jnp.float32)]
+    if with_out:
+        out_specs.append(per_row(plan.e))
+        out_shape.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
+    return launch(
+        lambda *refs: _rows_grad_kernel(*refs, plan=plan, br=br, has_b=b is not None,
+                                        with_out=with_out),
+        plan=plan, name=name, grid=(hx // hk * (c // br), n, bsz * hk), in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, warps=plan.warps_state,
+        stages=plan.rows_stages)(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# Gated prefix sum over chunks.
+
+
+def _prefix_fwd_kernel(decay_ref, s_ref, z_ref, s_in_ref, z_in_ref, s_fin_ref, z_fin_ref, *,
+                       n: int):
+    def body(i, carry):
+        s, z = carry
+        s_in_ref[i] = s
+        z_in_ref[i] = z
+        decay = decay_ref[i]
+        return decay * s + s_ref[i], decay * z + z_ref[i]
+
+    s, z = jax.lax.fori_loop(0, n, body, (jnp.zeros(s_fin_ref.shape, jnp.float32),
+                                          jnp.zeros(z_fin_ref.shape, jnp.float32)))
+    s_fin_ref[...] = s
+    z_fin_ref[...] = z
+
+
+def _prefix_bwd_kernel(decay_ref, s_in_ref, z_in_ref, ds_in_ref, dz_in_ref, ds_fin_ref,
+                       dz_fin_ref, ds_ref, dz_ref, ddecay_ref, *, n: int):
+    def body(it, carry):
+        ds, dz = carry  # the cotangent of P_{i+1}
+        i = n - 1 - it
+        ds_ref[i] = ds
+        dz_ref[i] = dz
+        ddecay_ref[i] = jnp.sum(ds * s_in_ref[i]) + jnp.sum(dz * z_in_ref[i])
+        decay = decay_ref[i]
+        return ds_in_ref[i] + decay * ds, dz_in_ref[i] + decay * dz
+
+    jax.lax.fori_loop(0, n, body, (ds_fin_ref[...], dz_fin_ref[...]))
+
+
+def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int):
+    bf = plan.bf
+    chunks_e = pl.BlockSpec((None, None, n, bf, e), lambda f, bh: (*split_heads(bh, hk), 0, f, 0))
+    chunks_1 = pl.BlockSpec((None, None, n, bf), lambda f, bh: (*split_heads(bh, hk), 0, f))
+    final_e = pl.BlockSpec((None, None, bf, e), lambda f, bh: (*split_heads(bh, hk), f, 0))
+    final_1 = pl.BlockSpec((None, None, bf), lambda f, bh: (*split_heads(bh, hk), f))
+    decay = pl.BlockSpec((None, None, n), lambda f, bh: (*split_heads(bh, hk), 0))
+    return chunks_e, chunks_1, final_e, final_1, decay
+
+
+def prefix_fwd(s, z, decay, plan: PrefixPlan):
+    """(s_in, z_in, s_final, z_final) of the gated exclusive prefix sum; decay = exp(g_last)."""
+    b, hk, n, f, e = s.shape
+    chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
+    sds = jax.ShapeDtypeStruct
+    return launch(
+        lambda *refs: _prefix_fwd_kernel(*refs, n=n), plan=plan, name="sympow_prefix_sum",
+        grid=(f // plan.bf, b * hk), in_specs=[decay_spec, chunks_e, chunks_1],
+        out_specs=[chunks_e, chunks_1, final_e, final_1],
+        out_shape=[sds(s.shape, jnp.float32), sds(z.shape, jnp.float32),
+                   sds((b, hk, f, e), jnp.float32), sds((b, hk, f), jnp.float32)],
+        warps=plan.warps)(decay, s, z)
+
+
+def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan):
+    """(ds, dz, ddecay [B,Hk,N]) of `prefix_fwd` given its residuals and cotangents."""
+    b, hk, n, f, e = s_in.shape
+    chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
+    n_fb = f // plan.bf
+    sds = jax.ShapeDtypeStruct
+    ds, dz, ddecay = launch(
+        lambda *refs: _prefix_bwd_kernel(*refs, n=n), plan=plan, name="sympow_prefix_sum_bwd",
+        grid=(n_fb, b * hk),
+        in_specs=[decay_spec, chunks_e, chunks_1, chunks_e, chunks_1, final_e, final_1],
+        out_specs=[chunks_e, chunks_1,
+                   pl.BlockSpec((None, None, None, n),
+                                lambda f_, bh: (*split_heads(bh, hk), f_, 0))],
+        out_shape=[sds(s_in.shape, jnp.float32), sds(z_in.shape, jnp.float32),
+                   sds((b, hk, n_fb, n), jnp.float32)],
+        warps=plan.warps)(decay, s_in, z_in, ds_in, dz_in, ds_fin, dz_fin)
+    return ds, dz, ddecay.sum(axis=2)

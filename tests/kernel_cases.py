@@ -1,0 +1,179 @@
+"""Cases and checks shared by tests/test_kernels.py (CPU, Pallas interpreter) and
+experiments/gpu_check.py (GPU, Triton): one definition of what "the kernels are right" means.
+
+bf16 follows DESIGN.md section 3: gold = the oracle on float32 inputs, ref = the oracle on
+bf16 inputs, test = the kernels on bf16 inputs; each output X (y and the four gradients,
+under a random cotangent) must satisfy ||gold - test|| <= K ||gold - ref|| + ATOL ||gold||
+in the L2 norm over X (the max norm alone swings by 3x between seeds on small problems;
+it is kept as a looser element-wise guard).
+float32 compares the kernels with the float32 oracle by relative L2 error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+import sympow
+
+K_BF16 = 2.5  # test may be at most this many times further from gold than ref is (L2)
+# ... plus this fraction of ||gold||: 2^-8, one bf16 ulp, since every output is stored in
+# bf16 (at T=1, y = v, ref can land exactly on gold while the kernels differ by a rounding).
+ATOL_BF16 = 2.0 ** -8
+# Element-wise guard against a few wrong rows: max|gold - test| <= K_MAX max|gold - ref| +
+# atol. Loose, because at p=4, d=32 (F = 84480 features summed from bf16 products) the
+# largest deviation reaches 5-10x ref's while the L2 error stays within K_BF16.
+K_MAX_BF16 = 10.0
+TOL_FP32 = 1e-4  # relative L2 error of float32 kernels against the float32 oracle
+OUTPUTS = ("y", "dq", "dk", "dv", "dlog_g")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    t: int
+    p: int = 2
+    d: int = 16
+    e: int = 16
+    hq: int = 2
+    hk: int = 2
+    b: int = 2
+    chunk: int = 16
+    gating: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"b{self.b}_t{self.t}_h{self.hq}x{self.hk}_d{self.d}_e{self.e}_p{self.p}"
+                f"_c{self.chunk}{'_gated' if self.gating else ''}")
+
+
+def inputs(case: Case, rng: np.random.Generator, *, kind: str = "random"):
+    """Float32 (q, k, v, log_g, dy) of a case; `kind` picks an adversarial variant."""
+    b, t = case.b, case.t
+    q = rng.normal(size=(b, t, case.hq, case.d))
+    k = rng.normal(size=(b, t, case.hk, case.d))
+    v = rng.normal(size=(b, t, case.hk, case.e))
+    # Gates near 1 as after training (sigmoid of ~3), some strong ones mixed in.
+    log_g = np.log(1 / (1 + np.exp(-rng.normal(3.0, 2.0, size=(b, t, case.hk)))))
+    if kind == "zero_queries":
+        q[:, ::3] = 0.0
+    elif kind == "zero_keys":
+        k[:, ::2] = 0.0
+        k[0, :, 0] = 0.0
+    elif kind == "huge_norms":
+        q, k = q * 1e3, k * 1e3
+    elif kind == "no_decay":
+        log_g[:] = 0.0
+    elif kind == "full_decay":
+        log_g[:] = -1e4
+    elif kind != "random":
+        raise ValueError(f"unknown kind {kind!r}")
+    dy = rng.normal(size=(b, t, case.hq, case.e))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return f32(q), f32(k), f32(v), (f32(log_g) if case.gating else None), f32(dy)
+
+
+# Off GPU the kernels run in the Pallas interpreter, whose XLA programs take long to optimize
+# and run for milliseconds: compile them at the lowest optimization level.
+CPU_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "p", "chunk"),
+                   compiler_options=CPU_OPTIONS)
+def forward_and_grads(q, k, v, log_g, dy, *, impl: str, p: int, chunk: int):
+    """y and its vjp (dq, dk, dv, dlog_g) under cotangent dy, as a dict of float32 arrays."""
+    def f(q, k, v, log_g):
+        return sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
+
+    if log_g is None:
+        y, vjp = jax.vjp(lambda q, k, v: f(q, k, v, None), q, k, v)
+        grads = (*vjp(dy.astype(y.dtype)), None)
+    else:
+        y, vjp = jax.vjp(f, q, k, v, log_g)
+        grads = vjp(dy.astype(y.dtype))
+    return {name: None if x is None else x.astype(jnp.float32)
+            for name, x in zip(OUTPUTS, (y, *grads), strict=True)}
+
+
+def run(case: Case, args, impl: str, dtype=jnp.float32):
+    q, k, v, log_g, dy = args
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return forward_and_grads(cast(q), cast(k), cast(v), log_g, dy, impl=impl, p=case.p,
+                             chunk=case.chunk)
+
+
+def _l2(x, y=None) -> float:
+    x = np.asarray(x, np.float64)
+    return float(np.linalg.norm(x if y is None else x - np.asarray(y, np.float64)))
+
+
+def _max_abs(x, y) -> float:
+    return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+
+
+def check_bf16(case: Case, args, impl: str = "pallas", gold_impl: str = "reference",
+               floor: float = 1e-2):
+    """Rows (output, err_test, err_ref, bound, ok) of the gold/ref/test comparison.
+
+    err = ||gold - x|| / ||gold|| (L2 over the whole output); ok iff
+    err_test <= K_BF16 err_ref + ATOL_BF16, and no element is more than K_MAX_BF16 times
+    further from gold than ref's largest deviation (a guard against a few wrong rows).
+    floor: as in `check_fp32`.
+    """
+    gold = run(case, args, gold_impl)
+    ref = run(case, args, gold_impl, jnp.bfloat16)
+    test = run(case, args, impl, jnp.bfloat16)
+    floor_scale = floor * max(_l2(x) for x in gold.values() if x is not None)
+    rows = []
+    for name in OUTPUTS:
+        if gold[name] is None:
+            continue
+        scale = max(_l2(gold[name]), floor_scale, 1e-30)
+        err_test, err_ref = _l2(gold[name], test[name]) / scale, _l2(gold[name], ref[name]) / scale
+        bound = K_BF16 * err_ref + ATOL_BF16
+        ok = bool(np.all(np.isfinite(np.asarray(test[name]))) and err_test <= bound
+                  and _max_abs(gold[name], test[name])
+              <= K_MAX_BF16 * _max_abs(gold[name], ref[name])
+              + ATOL_BF16 * max(float(np.max(np.abs(np.asarray(gold[name])))),
+                                floor_scale / np.sqrt(gold[name].size)))
+        rows.append((name, err_test, err_ref, bound, ok))
+    return rows
+
+
+def check_fp32(case: Case, args, impl: str = "pallas", gold_impl: str = "reference",
+               tol: float = TOL_FP32, floor: float = 1e-2):
+    """Rows (output, err, tol, ok) of the kernels against the float32 oracle.
+
+    err = ||test - gold|| / max(||gold||, floor * max over outputs of ||gold||), so an output
+    that is zero up to rounding (dq at T = 1 or under log_g = -1e4, where each row attends
+    only to itself) is measured against the problem's scale instead of its own noise.
+    """
+    gold, test = run(case, args, gold_impl), run(case, args, impl)
+    scale = floor * max(_l2(x) for x in gold.values() if x is not None)
+    rows = []
+    for name in OUTPUTS:
+        if gold[name] is None:
+            continue
+        x, y = np.asarray(test[name], np.float64), np.asarray(gold[name], np.float64)
+        err = float(np.linalg.norm(x - y) / max(np.linalg.norm(y), scale, 1e-30))
+        rows.append((name, err, tol, bool(np.all(np.isfinite(x))) and err <= tol))
+    return rows
+
+
+def pallas_call_names(fn, *args) -> list[str]:
+    """Names of every pallas_call in the jaxpr of fn(*args), nested jaxprs included."""
+    names = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names.append(str(eqn.params["name"]))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
