@@ -15,31 +15,28 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sympow.layers import GPT, GPTConfig
+
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 def gpt_config(model: Mapping[str, Any]):
     """``GPTConfig`` from ``config.model`` (dtype names such as ``'bfloat16'`` become dtypes)."""
-    from sympow.layers import GPTConfig
-
     kwargs = dict(model)
     for key in ("dtype", "param_dtype"):
         if isinstance(kwargs.get(key), str):
             if kwargs[key] not in DTYPES:
                 raise ValueError(f"model.{key}: {kwargs[key]!r} not in {sorted(DTYPES)}")
             kwargs[key] = DTYPES[kwargs[key]]
-    if dataclasses.is_dataclass(GPTConfig):
-        known = {f.name for f in dataclasses.fields(GPTConfig)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"model: unknown GPTConfig field(s) {unknown}; known: {sorted(known)}")
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"model: unknown GPTConfig field(s) {unknown}; known: {sorted(known)}")
     return GPTConfig(**kwargs)
 
 
 def build_model(model: Mapping[str, Any], seed: int = 0):
     """A freshly initialized ``GPT`` (eagerly; use ``init_model_state`` for sharded init)."""
-    from sympow.layers import GPT
-
     return GPT(gpt_config(model), rngs=nnx.Rngs(seed))
 
 
@@ -74,8 +71,6 @@ class ModelDef:
 def model_def(model: Mapping[str, Any]) -> ModelDef:
     """Traces the model's construction abstractly (no memory) to get its graphdef."""
     cfg = gpt_config(model)
-    from sympow.layers import GPT
-
     abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     return ModelDef(graphdef, params, rest, cfg)
@@ -83,8 +78,6 @@ def model_def(model: Mapping[str, Any]) -> ModelDef:
 
 def init_model_state(mdef: ModelDef, seed: int, sharding=None):
     """(params, rest) of a fresh model with ``seed``, created directly with ``sharding``."""
-    from sympow.layers import GPT
-
     def init():
         model = GPT(mdef.model_config, rngs=nnx.Rngs(seed))
         _, params, rest = nnx.split(model, nnx.Param, ...)
