@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from sympow.attention.reference import compute_dtype
+
 __all__ = ["rotary_rates", "fixed_rotary_angles", "learned_rotary_angles", "apply_rotary"]
 
 
@@ -79,7 +81,7 @@ def apply_rotary(
     if angles.shape[-1] != x.shape[-1] // 2:
         raise ValueError(f"angles must end in D/2 = {x.shape[-1] // 2}, got shape "
                          f"{angles.shape} for x of shape {x.shape}")
-    ct = jnp.result_type(jnp.float32, x.dtype)
+    ct = compute_dtype(x)
     pairs = x.astype(ct).reshape(*x.shape[:-1], -1, 2)
     cos, sin = jnp.cos(angles).astype(ct), jnp.sin(angles).astype(ct)
     even, odd = pairs[..., 0], pairs[..., 1]

@@ -24,8 +24,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def compute_dtype(*xs) -> jnp.dtype:
-    """float32, or float64 when an input is float64 (x64 mode, for exactness checks)."""
-    return jnp.result_type(jnp.float32, *(x.dtype for x in xs if x is not None))
+    """float32, or wider when an input (array or dtype) is float64 (x64 exactness checks)."""
+    return jnp.result_type(jnp.float32, *(x for x in xs if x is not None))
 
 
 def safe_divide(num: Array, den: Array) -> Array:

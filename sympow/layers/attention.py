@@ -35,7 +35,7 @@ from jaxtyping import Array, Float
 
 import sympow
 from sympow.attention.config import IMPLS
-from sympow.attention.reference import SympowState
+from sympow.attention.reference import SympowState, compute_dtype
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
            "KVCache", "GATE_BIAS_INIT"]
@@ -66,10 +66,6 @@ class KVCache(NamedTuple):
     k: Array
     v: Array
     mu: Array | None
-
-
-def _float_at_least_32(dtype) -> jnp.dtype:
-    return jnp.promote_types(jnp.float32, jnp.dtype(dtype))
 
 
 def _normal(std: float):
@@ -114,7 +110,7 @@ class Rotary(nnx.Module):
         if kind == "learned":
             self.beta_proj = nnx.Linear(
                 d_model, n_kv_head, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
-                dtype=_float_at_least_32(dtype), param_dtype=param_dtype, rngs=rngs)
+                dtype=compute_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
         self,
@@ -179,7 +175,7 @@ class _Attention(nnx.Module):
             self.gate_proj = nnx.Linear(
                 d_model, n_kv_head, kernel_init=_normal(init_std),
                 bias_init=nnx.initializers.constant(GATE_BIAS_INIT),
-                dtype=_float_at_least_32(dtype), param_dtype=param_dtype, rngs=rngs)
+                dtype=compute_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
         self.rotary = Rotary(d_model, n_kv_head, head_dim, rotary, base=rotary_base,
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -245,7 +241,7 @@ class SympowAttention(_Attention):
     def init_cache(self, batch: int, max_length: int | None = None) -> SympowCache:
         """An empty cache (no context); the state is float32 (float64 for float64 compute)."""
         del max_length
-        dtype = _float_at_least_32(self.dtype)
+        dtype = compute_dtype(self.dtype)
         state = sympow.init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p,
                                   dtype=dtype)
         mu = jnp.zeros((batch, self.n_kv_head), jnp.float32)
@@ -301,7 +297,7 @@ class SoftmaxAttention(_Attention):
         v_cache = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), index)
         b, _, hq, d = q.shape
         hk, length = self.n_kv_head, k_cache.shape[1]
-        ct = _float_at_least_32(self.dtype)
+        ct = compute_dtype(self.dtype)
         qg = q.reshape(b, hk, hq // hk, d).astype(ct)  # [B, Hk, R, D]
         scores = jnp.einsum("bhrd,blhd->bhrl", qg, k_cache.astype(ct),
                             precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)

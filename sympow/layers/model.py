@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import sympow
+from sympow.attention.reference import compute_dtype
 from sympow.layers import decode
 from sympow.layers.attention import SoftmaxAttention, SympowAttention
 
@@ -180,7 +181,7 @@ class GPT(nnx.Module):
     def head(self, x: Float[Array, "B T C"]) -> Float[Array, "B T V"]:
         """Final LayerNorm and the tied output projection, accumulated in >= float32."""
         x = self.ln_f(x)
-        out = jnp.promote_types(jnp.float32, jnp.dtype(self.config.dtype))
+        out = compute_dtype(jnp.dtype(self.config.dtype))
         table = self.wte.embedding[...].astype(x.dtype)  # [V, C]
         return jnp.einsum("btc,vc->btv", x, table, preferred_element_type=out)
 
@@ -225,8 +226,7 @@ def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None
     """
     d, hk = config.head_dim, config.kv_heads
     if config.attention == "sympow":
-        per_number = bytes_per_number or jnp.promote_types(
-            jnp.float32, jnp.dtype(config.dtype)).itemsize
+        per_number = bytes_per_number or compute_dtype(jnp.dtype(config.dtype)).itemsize
         return batch * sympow.state_bytes(d, config.p, e=d, layers=config.n_layer, heads=hk,
                                           bytes_per_number=per_number)
     context = config.max_length if context is None else context
