@@ -102,26 +102,32 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         # rows -> state: [br, 256] phi per step into a [be, 256] accumulator. br = 128 was
         # slower on H100 (update_state fwd 4.1 vs 2.4 ms at T=65536, H=8; docs/kernels.md).
         state_br=min(c, 64),
-        # ... accumulated as S^T = A^T phi (phi the second operand): 2.4 vs 3.2 ms.
-        state_transposed=True,
+        # ... phi^T built by exact products against 0/1 selections, the A operand of
+        # S = phi^T A: update_state fwd 1.38 vs 1.89 ms (outer products in registers, S^T =
+        # A^T phi) on H100. The state -> rows kernels keep the register tiles: there the
+        # expansion products measured slower (query fwd 3.4 vs 3.0 ms, backward 3-4x).
+        expand_mma=True,
         # Split E above 64 columns: the [be, 256] f32 accumulator stays at 64 KB.
         state_be=min(e, 64),
-        # state -> rows with two accumulators (query fwd: num and den; update bwd: dx and
-        # dV): 128 rows spilled (update_state bwd 10 vs 2.5 ms), so 64.
+        # update_state bwd, two accumulators (dx and dV): 128 rows spilled (10 vs 2.5 ms).
         rows_br=min(c, 64),
+        # query fwd: 128 rows halve the state reads per row; half tiles [128, 128] keep phi
+        # at 64 KB: 2.17 vs 3.00 ms (64 rows, whole tiles) on H200. [256, 64]: 2.34 ms.
+        # E = 128 keeps 64 rows: the [rows, E] accumulator stays at 32 KB.
+        query_br=min(c, 128 if e <= 64 else 64), query_split=2,
         # The dQ kernel has one accumulator: 128 rows halve the state reads per row.
         dq_br=min(c, 128),
         warps_attn=4,
         # 8 warps: 256 threads share the [256, 64] float32 tiles (64 registers each); 4 warps
-        # were slower for every state kernel but the dQ one.
-        warps_state=8,
+        # were slower for the other state kernels (H200: update fwd 2.4 vs 1.3 ms, query fwd
+        # 4.5 vs 2.2, query bwd 6.9 vs 2.5) but the update_state backward (2.7 vs 3.5 ms).
+        warps_state=8, warps_update_bwd=4,
         # 3 stages: 2-15% faster than 2 on every kernel, within noise on none worse; fewer
         # where 3 copies of a loop's tiles would not fit in shared memory (d or e = 128).
         stages=3,
         attn_stages=_stages(2 * 64 * (d + e) * itemsize),  # k and v (q and dO) tiles
-        # One [256, E] state tile per step: float32 up to E = 64 (3 x 64 KB ran), else in the
-        # matmul dtype (pallas_state._state_operand).
-        rows_stages=3 if e <= 64 else _stages(tile_width(d, p) ** p * e * itemsize),
+        # One [256, E] state tile (matmul dtype) per step.
+        rows_stages=_stages(tile_width(d, p) ** p * e * itemsize),
         interpret=interpret,
     )
 

@@ -47,12 +47,18 @@ class Plan:
     'float32'). tile: width t of the tiled embedding (F = n_tiles * t^p).
     attn_bq / attn_bk: query / key block of the intra-chunk attention kernels.
     state_br / state_be: row block and value-column block of the rows -> state kernel;
-    rows_br: row block of the state -> rows kernels (query_state fwd, update_state bwd);
+    rows_br: row block of the update_state backward's state -> rows kernel;
+    query_br / query_split: row block of the query_state forward, and the number of parts
+    its phi tiles are built in (the first factor's slice split: [query_br, tp / split]).
     dq_br: row block of the query_state backward's dQ kernel (no second accumulator).
-    state_transposed: the rows -> state kernel accumulates S^T = A^T phi (phi as the second
-    operand) and transposes once at the end, instead of phi^T A in every step.
-    warps_*: Triton num_warps per kernel family; stages: num_stages of the rows -> state
-    kernel; attn_stages / rows_stages: of the attention and state -> rows kernels.
+    expand_mma: the rows -> state kernel builds phi^T tiles by matrix products against 0/1
+    selections (`expand_factors_t`) and accumulates S = phi^T A (phi^T the register A
+    operand); False: outer products and reshapes in registers (`tile_products`), S^T = A^T
+    phi (phi the second operand) transposed once at the end.
+    warps_*: Triton num_warps per kernel family (warps_update_bwd: the state -> rows kernel
+    of the update_state backward; warps_state: the other state kernels); stages:
+    num_stages of the rows -> state kernel; attn_stages / rows_stages: of the attention and
+    state -> rows kernels.
     interpret: run in the Pallas interpreter (off GPU).
     """
 
@@ -66,11 +72,14 @@ class Plan:
     attn_bk: int
     state_br: int
     rows_br: int
+    query_br: int
+    query_split: int
     dq_br: int
-    state_transposed: bool
+    expand_mma: bool
     state_be: int
     warps_attn: int
     warps_state: int
+    warps_update_bwd: int
     stages: int
     attn_stages: int
     rows_stages: int
@@ -87,6 +96,11 @@ class Plan:
     @property
     def features(self) -> int:
         return expanded_dim(self.d, self.p, self.tile)
+
+    @property
+    def window(self) -> int:
+        """Width of the x slice one factor of a tile is selected from (an MMA's K >= 16)."""
+        return max(self.tile, 16)
 
     @property
     def mm_dtype(self):
@@ -216,3 +230,48 @@ def scatter_blocks(acc, grads, blocks):
     for g, a in zip(grads, blocks, strict=True):
         acc = acc + jnp.where(block_ids == a, g[:, None, :], 0.0)
     return acc
+
+
+# ---------------------------------------------------------------------------------------
+# phi^T tiles by matrix products (Plan.expand_mma), for the rows -> state kernel. Factor k
+# of feature f of a tile is x[:, a_k t + u_k(f)] with u_k(f) the k-th base-t digit of f; it
+# is read off a W-wide window of x (W = plan.window, aligned) by a product with a 0/1
+# selection [tp, W]. The products are exact (one nonzero term) and land in the accumulator
+# layout, where the elementwise product over k and the next MMA (phi^T as its register A
+# operand) take them without layout changes.
+
+
+def _window(a, plan: Plan):
+    """(start, offset): the aligned window of block a and the block's offset inside it."""
+    first = a * plan.tile
+    start = jnp.bitwise_and(first, -plan.window)
+    return start, first - start
+
+
+def selection_t(k: int, offset, plan: Plan):
+    """[tp, W] 0/1 in the matmul dtype: row f picks window column offset + u_k(f)."""
+    t = plan.tile
+    f = jnp.arange(plan.tile_features, dtype=jnp.int32)
+    digit = jnp.bitwise_and(jnp.right_shift(f, (plan.p - 1 - k) * (t.bit_length() - 1)), t - 1)
+    col = jnp.arange(plan.window, dtype=jnp.int32)
+    return (digit[:, None] + offset == col[None, :]).astype(plan.mm_dtype)
+
+
+def expand_factors_t(x_ref, blocks, plan: Plan, rows=slice(None), lead=()):
+    """[E_k^T [tp, R] f32 for k < p]: factor k of every feature of the tile, exactly.
+
+    x_ref[*lead, rows, :] holds the raw rows; the tile is prod_k E_k^T (times row scales).
+    """
+    out = []
+    for k, a in enumerate(blocks):
+        start, offset = _window(a, plan)
+        xw = x_ref[(*lead, rows, pl.ds(pl.multiple_of(start, plan.window), plan.window))]
+        out.append(dot(selection_t(k, offset, plan), xw, plan, trans_b=True))
+    return out
+
+
+def product(xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out * x
+    return out

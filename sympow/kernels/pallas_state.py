@@ -30,10 +30,12 @@ from sympow.kernels.pallas_common import (
     Plan,
     PrefixPlan,
     dot,
+    expand_factors_t,
     idiv,
     irem,
     launch,
     load_factors,
+    product,
     scatter_blocks,
     split_heads,
     tile_factor_grads,
@@ -63,19 +65,22 @@ def _rows_to_state_kernel(blocks_ref, weights_ref, x_ref, ls_ref, a_ref, *refs, 
         s, z = carry
         r = idiv(it, n_rb)
         rows = pl.ds(pl.multiple_of(irem(it, n_rb) * br, br), br)
-        scale = jnp.exp(ls_ref[rows])
-        phi = tile_products(load_factors(x_ref, blocks, plan.tile, scale, rows, (r,)))[-1] * weight
-        if plan.state_transposed:  # S^T += A^T phi: phi is the B operand, no transpose
-            s = s + dot(a_ref[r, rows, :], phi, plan, trans_a=True)  # [be, tp]
-        else:
-            s = s + dot(phi, a_ref[r, rows, :], plan, trans_a=True)  # [tp, be]
+        a = a_ref[r, rows, :]
+        if plan.expand_mma:  # S += phi^T A: phi^T [tp, br] is the register A operand
+            row_scale = jnp.exp(plan.p * ls_ref[rows]) * weight  # phi is p-homogeneous
+            phi_t = product(expand_factors_t(x_ref, blocks, plan, rows, (r,))) * row_scale
+            zw = phi_t if b_ref is None else phi_t * b_ref[r, rows][None, :]
+            return s + dot(phi_t, a, plan), z + jnp.sum(zw, axis=1)  # [tp, be]
+        # S^T += A^T phi: phi [br, tp] (outer products in registers) is the B operand.
+        factors = load_factors(x_ref, blocks, plan.tile, jnp.exp(ls_ref[rows]), rows, (r,))
+        phi = tile_products(factors)[-1] * weight
         zw = phi if b_ref is None else phi * b_ref[r, rows][:, None]
-        return s, z + jnp.sum(zw, axis=0)
+        return s + dot(a, phi, plan, trans_a=True), z + jnp.sum(zw, axis=0)  # [be, tp]
 
-    shape = (plan.state_be, tp) if plan.state_transposed else (tp, plan.state_be)
+    shape = (tp, plan.state_be) if plan.expand_mma else (plan.state_be, tp)
     init = (jnp.zeros(shape, jnp.float32), jnp.zeros((tp,), jnp.float32))
     s, z = jax.lax.fori_loop(0, groups * n_rb, body, init)
-    s_ref[...] = s.T if plan.state_transposed else s
+    s_ref[...] = (s if plan.expand_mma else s.T).astype(s_ref.dtype)
 
     @pl.when(irem(pl.program_id(0), n_eb) == 0)
     def _():
@@ -83,7 +88,8 @@ def _rows_to_state_kernel(blocks_ref, weights_ref, x_ref, ls_ref, a_ref, *refs, 
 
 
 def rows_to_state(x, ls, a, b, plan: Plan, *, name: str):
-    """S [B,Hk,N,F,E], z [B,Hk,N,F] (float32) summed over rows and the R heads of a group.
+    """S [B,Hk,N,F,E] (matmul dtype), z [B,Hk,N,F] (float32) summed over rows and the R
+    heads of a group.
 
     x [B, R Hk, N, C, D]; ls [B, Hk, N, C] row log-scales; a [B, R Hk, N, C, E];
     b [B, R Hk, N, C] or None (ones).
@@ -112,7 +118,7 @@ def rows_to_state(x, ls, a, b, plan: Plan, *, name: str):
                        *split_heads(bh, hk), n_, idiv(i, n_eb), irem(i, n_eb))),
                    pl.BlockSpec((None, None, None, tp),
                                 lambda i, n_, bh: (*split_heads(bh, hk), n_, idiv(i, n_eb)))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, hk, n, plan.features, e), f32),
+        out_shape=[jax.ShapeDtypeStruct((bsz, hk, n, plan.features, e), plan.mm_dtype),
                    jax.ShapeDtypeStruct((bsz, hk, n, plan.features), f32)],
         warps=plan.warps_state)(*args)
 
@@ -136,15 +142,26 @@ def _row_specs(plan: Plan, hx: int, hk: int, br: int):
     return per_row, ls, state, norm
 
 
-def _tile_loop(plan: Plan, blocks_ref, weights_ref, x_ref, scale, body, init):
-    """fori_loop over the tiles; body(carry, blocks, factors, prods, weight, feats)."""
-    def step(f, carry):
+def _tile_loop(plan: Plan, blocks_ref, weights_ref, x_ref, scale, body, init, split: int = 1):
+    """fori_loop over the tiles in `split` parts each; body(carry, blocks, factors, prods,
+    weight, feats). Part h of a tile takes the h-th 1/split of the first factor's slice:
+    features [h tp / split, (h + 1) tp / split) of the tile (the first factor varies slowest).
+    """
+    t, part = plan.tile, plan.tile_features // split
+
+    def step(it, carry):
+        f, h = idiv(it, split), irem(it, split)
         blocks, weight = _tile(blocks_ref, weights_ref, f, plan.p)
-        factors = load_factors(x_ref, blocks, plan.tile, scale)
-        feats = pl.ds(pl.multiple_of(f * plan.tile_features, plan.tile_features),
-                      plan.tile_features)
+        factors = load_factors(x_ref, blocks[1:], t, scale)
+        if split == 1:
+            factors = load_factors(x_ref, blocks[:1], t, scale) + factors
+        else:
+            width = t // split
+            cols = pl.ds(pl.multiple_of(blocks[0] * t + h * width, width), width)
+            factors = [x_ref[:, cols].astype(jnp.float32) * scale[:, None]] + factors
+        feats = pl.ds(pl.multiple_of(f * plan.tile_features + h * part, part), part)
         return body(carry, blocks, factors, tile_products(factors), weight, feats)
-    return jax.lax.fori_loop(0, plan.n_tiles, step, init)
+    return jax.lax.fori_loop(0, plan.n_tiles * split, step, init)
 
 
 def combine_rows(o, den, m, inter_o, inter_den):
@@ -171,26 +188,19 @@ def _query_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, o_ref, d
 
     def body(carry, blocks, factors, prods, weight, feats):
         num, den = carry
-        phi = prods[-1] * weight  # [br, tp]
+        phi = prods[-1] * weight  # [br, tp / split]
         return (num + dot(phi, s_ref[feats, :], plan),
                 den + dot(phi, _split_columns(z_ref[feats], plan), plan))
 
-    init = (jnp.zeros((plan.rows_br, plan.e), jnp.float32),
-            jnp.zeros((plan.rows_br, 16), jnp.float32))
-    inter_o, den16 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init)
+    init = (jnp.zeros((plan.query_br, plan.e), jnp.float32),
+            jnp.zeros((plan.query_br, 16), jnp.float32))
+    inter_o, den16 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init,
+                                plan.query_split)
     inter_den = jnp.sum(den16, axis=1)
     y, ci, ce = combine_rows(o_ref[...], den_ref[...], m_ref[...], inter_o, inter_den)
     y_ref[...] = y
     ci_ref[...] = ci
     ce_ref[...] = ce
-
-
-def _state_operand(s, plan: Plan):
-    """The state as the state -> rows kernels load it: float32 (cast per tile, in registers)
-    when E <= 64; above, cast to the matmul dtype first (the product rounds it there anyway),
-    since 3 stages of [256, 128] float32 tiles overflow shared memory. The cast is an extra
-    pass over the states (0.5 ms at T=65536, H=8, E=64 on H100), so it is not the default."""
-    return s.astype(plan.mm_dtype) if plan.e > 64 else s
 
 
 def _split_columns(z, plan: Plan):
@@ -207,13 +217,13 @@ def _split_columns(z, plan: Plan):
 def query_rows(q, ls, s, z, o, den, m, plan: Plan):
     """query_state forward: (y [B,Hq,N,C,E], ci, ce [B,Hq,N,C]) in float32.
 
-    q [B,Hq,N,C,D]; ls = g / p [B,Hk,N,C]; s [B,Hk,N,F,E], z [B,Hk,N,F] (kernel layout).
-    z stays float32 (`_split_columns`); s see `_state_operand`.
+    q [B,Hq,N,C,D]; ls = g / p [B,Hk,N,C]; s [B,Hk,N,F,E] in the matmul dtype, z [B,Hk,N,F]
+    in float32 (`_split_columns`), both in the kernel layout.
     """
     bsz, hq, n, c, _ = q.shape
     hk = s.shape[1]
-    n_rb = c // plan.rows_br
-    per_row, ls_spec, state, norm = _row_specs(plan, hq, hk, plan.rows_br)
+    n_rb = c // plan.query_br
+    per_row, ls_spec, state, norm = _row_specs(plan, hq, hk, plan.query_br)
     tables, table_specs = _tables(plan)
     f32 = jnp.float32
     rows_e = jax.ShapeDtypeStruct((bsz, hq, n, c, plan.e), f32)
@@ -225,7 +235,7 @@ def query_rows(q, ls, s, z, o, den, m, plan: Plan):
                   per_row(), per_row()],
         out_specs=[per_row(plan.e), per_row(), per_row()],
         out_shape=[rows_e, rows_1, rows_1], warps=plan.warps_state, stages=plan.rows_stages,
-    )(*tables, q, ls, _state_operand(s, plan), z, o, den, m)
+    )(*tables, q, ls, s, z, o, den, m)
 
 
 def _rows_grad_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, a_ref, *refs,
@@ -240,7 +250,7 @@ def _rows_grad_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, a_re
     def body(carry, blocks, factors, prods, weight, feats):
         dx3, out = carry
         s_t, z_t = s_ref[feats, :], z_ref[feats]
-        dphi = dot(a, s_t, plan, trans_b=True)  # [br, tp]
+        dphi = dot(a, s_t, plan, trans_b=True)  # [br, tp / split]
         dphi = dphi + (z_t[None, :] if b is None else b[:, None] * z_t[None, :])
         dx3 = scatter_blocks(dx3, tile_factor_grads(dphi * weight, factors, prods), blocks)
         if with_out:
@@ -270,7 +280,7 @@ def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
     per_row, ls_spec, state, norm = _row_specs(plan, hx, hk, br)
     tables, table_specs = _tables(plan)
     in_specs = [*table_specs, per_row(d), ls_spec, state, norm, per_row(plan.e)]
-    args = [*tables, x, ls, _state_operand(s, plan), z, a.astype(plan.mm_dtype)]
+    args = [*tables, x, ls, s, z, a.astype(plan.mm_dtype)]
     if b is not None:
         in_specs.append(per_row())
         args.append(b)
@@ -284,7 +294,8 @@ def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
         lambda *refs: _rows_grad_kernel(*refs, plan=plan, br=br, has_b=b is not None,
                                         with_out=with_out),
         plan=plan, name=name, grid=(hx // hk * (c // br), n, bsz * hk), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, warps=plan.warps_state,
+        out_specs=out_specs, out_shape=out_shape,
+        warps=plan.warps_update_bwd if with_out else plan.warps_state,
         stages=plan.rows_stages)(*args)
 
 
@@ -294,12 +305,12 @@ def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
 
 def _prefix_fwd_kernel(decay_ref, s_ref, z_ref, s_in_ref, z_in_ref, s_fin_ref, z_fin_ref, *,
                        n: int):
-    def body(i, carry):
+    def body(i, carry):  # float32 on chip; s_in in the per-chunk states' dtype
         s, z = carry
-        s_in_ref[i] = s
+        s_in_ref[i] = s.astype(s_in_ref.dtype)
         z_in_ref[i] = z
         decay = decay_ref[i]
-        return decay * s + s_ref[i], decay * z + z_ref[i]
+        return decay * s + s_ref[i].astype(jnp.float32), decay * z + z_ref[i]
 
     s, z = jax.lax.fori_loop(0, n, body, (jnp.zeros(s_fin_ref.shape, jnp.float32),
                                           jnp.zeros(z_fin_ref.shape, jnp.float32)))
@@ -312,11 +323,12 @@ def _prefix_bwd_kernel(decay_ref, s_in_ref, z_in_ref, ds_in_ref, dz_in_ref, ds_f
     def body(it, carry):
         ds, dz = carry  # the cotangent of P_{i+1}
         i = n - 1 - it
-        ds_ref[i] = ds
+        ds_ref[i] = ds.astype(ds_ref.dtype)
         dz_ref[i] = dz
-        ddecay_ref[i] = jnp.sum(ds * s_in_ref[i]) + jnp.sum(dz * z_in_ref[i])
+        ddecay_ref[i] = (jnp.sum(ds * s_in_ref[i].astype(jnp.float32))
+                         + jnp.sum(dz * z_in_ref[i]))
         decay = decay_ref[i]
-        return ds_in_ref[i] + decay * ds, dz_in_ref[i] + decay * dz
+        return ds_in_ref[i].astype(jnp.float32) + decay * ds, dz_in_ref[i] + decay * dz
 
     jax.lax.fori_loop(0, n, body, (ds_fin_ref[...], dz_fin_ref[...]))
 
@@ -332,7 +344,11 @@ def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int):
 
 
 def prefix_fwd(s, z, decay, plan: PrefixPlan):
-    """(s_in, z_in, s_final, z_final) of the gated exclusive prefix sum; decay = exp(g_last)."""
+    """(s_in, z_in, s_final, z_final) of the gated exclusive prefix sum; decay = exp(g_last).
+
+    Sums in float32; s_in keeps the dtype of s (the matmul dtype: the query kernels' MMA
+    operand), z_in and the final state are float32.
+    """
     b, hk, n, f, e = s.shape
     chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
     sds = jax.ShapeDtypeStruct
@@ -340,13 +356,14 @@ def prefix_fwd(s, z, decay, plan: PrefixPlan):
         lambda *refs: _prefix_fwd_kernel(*refs, n=n), plan=plan, name="sympow_prefix_sum",
         grid=(f // plan.bf, b * hk), in_specs=[decay_spec, chunks_e, chunks_1],
         out_specs=[chunks_e, chunks_1, final_e, final_1],
-        out_shape=[sds(s.shape, jnp.float32), sds(z.shape, jnp.float32),
+        out_shape=[sds(s.shape, s.dtype), sds(z.shape, jnp.float32),
                    sds((b, hk, f, e), jnp.float32), sds((b, hk, f), jnp.float32)],
         warps=plan.warps)(decay, s, z)
 
 
 def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan):
-    """(ds, dz, ddecay [B,Hk,N]) of `prefix_fwd` given its residuals and cotangents."""
+    """(ds, dz, ddecay [B,Hk,N]) of `prefix_fwd` given its residuals and cotangents (ds in
+    the dtype of s_in, like the s it is the cotangent of)."""
     b, hk, n, f, e = s_in.shape
     chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
     n_fb = f // plan.bf
@@ -358,7 +375,7 @@ def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan
         out_specs=[chunks_e, chunks_1,
                    pl.BlockSpec((None, None, None, n),
                                 lambda f_, bh: (*split_heads(bh, hk), f_, 0))],
-        out_shape=[sds(s_in.shape, jnp.float32), sds(z_in.shape, jnp.float32),
+        out_shape=[sds(s_in.shape, s_in.dtype), sds(z_in.shape, jnp.float32),
                    sds((b, hk, n_fb, n), jnp.float32)],
         warps=plan.warps)(decay, s_in, z_in, ds_in, dz_in, ds_fin, dz_fin)
     return ds, dz, ddecay.sum(axis=2)
