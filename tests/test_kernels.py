@@ -26,7 +26,8 @@ from tests.helpers import attention_inputs, rel_err
 
 FORWARD_KERNELS = {"sympow_attention_fwd", "sympow_update_state", "sympow_prefix_sum",
                    "sympow_query_state"}
-BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv", "sympow_update_state_bwd",
+BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv", "sympow_update_state_dk",
+                    "sympow_update_state_dv",
                     "sympow_prefix_sum_bwd", "sympow_query_state_dq", "sympow_query_state_ds"}
 
 

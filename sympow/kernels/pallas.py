@@ -109,19 +109,19 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         expand_mma=True,
         # Split E above 64 columns: the [be, 256] f32 accumulator stays at 64 KB.
         state_be=min(e, 64),
-        # update_state bwd, two accumulators (dx and dV): 128 rows spilled (10 vs 2.5 ms).
-        rows_br=min(c, 64),
-        # query fwd: 128 rows halve the state reads per row; half tiles [128, 128] keep phi
-        # at 64 KB: 2.17 vs 3.00 ms (64 rows, whole tiles) on H200. [256, 64]: 2.34 ms.
-        # E = 128 keeps 64 rows: the [rows, E] accumulator stays at 32 KB.
+        # phi(x) S (query fwd, dV): 128 rows halve the state reads per row; half tiles
+        # [128, 128] keep phi at 64 KB: query fwd 2.17 vs 3.00 ms (64 rows, whole tiles) on
+        # H200; [256, 64] tiles: 2.34 ms. E = 128 keeps 64 rows ([rows, E] f32 at 32 KB).
         query_br=min(c, 128 if e <= 64 else 64), query_split=2,
-        # The dQ kernel has one accumulator: 128 rows halve the state reads per row.
-        dq_br=min(c, 128),
+        # dQ, dK (one [rows, d] accumulator): 128 rows halve the state reads per row (query
+        # bwd 2.4 vs 3.1 ms at 64 on H200). dK and dV in one kernel, two accumulators, ran
+        # at 64 rows only (128 spilled: 15.5 vs 3.4 ms).
+        grad_br=min(c, 128),
         warps_attn=4,
         # 8 warps: 256 threads share the [256, 64] float32 tiles (64 registers each); 4 warps
-        # were slower for the other state kernels (H200: update fwd 2.4 vs 1.3 ms, query fwd
-        # 4.5 vs 2.2, query bwd 6.9 vs 2.5) but the update_state backward (2.7 vs 3.5 ms).
-        warps_state=8, warps_update_bwd=4,
+        # were slower for every state kernel (H200, fwd+bwd of each primitive: update 5.0 vs
+        # 4.8 ms, query 11.4 vs 4.7).
+        warps_state=8,
         # 3 stages: 2-15% faster than 2 on every kernel, within noise on none worse; fewer
         # where 3 copies of a loop's tiles would not fit in shared memory (d or e = 128).
         stages=3,
@@ -181,9 +181,10 @@ def _update_fwd(plan, k, v, g):
 
 def _update_bwd(plan, res: UpdateResiduals, cts):
     ds, dz = cts
-    dk, dls, dv = pallas_state.rows_grad(res.k, _update_log_scale(res.g, plan.p), ds, dz,
-                                         res.v, None, plan, with_out=True,
-                                         name="sympow_update_state_bwd")
+    ls = _update_log_scale(res.g, plan.p)
+    dk, dls = pallas_state.rows_grad(res.k, ls, ds, dz, res.v, None, plan,
+                                     name="sympow_update_state_dk")
+    dv = pallas_state.rows_product(res.k, ls, ds, plan, name="sympow_update_state_dv")
     dls = dls / plan.p  # ls = (g_last - g) / p
     return dk, dv, (-dls).at[..., -1].add(dls.sum(axis=-1))
 
@@ -274,7 +275,7 @@ def _query_bwd(plan, res: QueryResiduals, dy):
     d_inter_o, d_inter_den = dy * ce, (-delta * ce)[..., 0]
     ls = res.g / plan.p
     dq, dls = pallas_state.rows_grad(res.q, ls, res.s_in, res.z_in, d_inter_o, d_inter_den,
-                                     plan, with_out=False, name="sympow_query_state_dq")
+                                     plan, name="sympow_query_state_dq")
     ds_in, dz_in = pallas_state.rows_to_state(res.q, ls, d_inter_o, d_inter_den, plan,
                                               name="sympow_query_state_ds")
     dg = dls.reshape(b, hk, hq // hk, n, c).sum(axis=2) / plan.p

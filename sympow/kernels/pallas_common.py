@@ -47,18 +47,16 @@ class Plan:
     'float32'). tile: width t of the tiled embedding (F = n_tiles * t^p).
     attn_bq / attn_bk: query / key block of the intra-chunk attention kernels.
     state_br / state_be: row block and value-column block of the rows -> state kernel;
-    rows_br: row block of the update_state backward's state -> rows kernel;
-    query_br / query_split: row block of the query_state forward, and the number of parts
-    its phi tiles are built in (the first factor's slice split: [query_br, tp / split]).
-    dq_br: row block of the query_state backward's dQ kernel (no second accumulator).
+    query_br / query_split: row block of the phi(x) S kernels (query_state forward, the
+    update_state backward's dV), and the number of parts their phi tiles are built in (the
+    first factor's slice split: [query_br, tp / split]).
+    grad_br: row block of the kernels back through phi (dQ, dK).
     expand_mma: the rows -> state kernel builds phi^T tiles by matrix products against 0/1
     selections (`expand_factors_t`) and accumulates S = phi^T A (phi^T the register A
     operand); False: outer products and reshapes in registers (`tile_products`), S^T = A^T
     phi (phi the second operand) transposed once at the end.
-    warps_*: Triton num_warps per kernel family (warps_update_bwd: the state -> rows kernel
-    of the update_state backward; warps_state: the other state kernels); stages:
-    num_stages of the rows -> state kernel; attn_stages / rows_stages: of the attention and
-    state -> rows kernels.
+    warps_*: Triton num_warps per kernel family; stages: num_stages of the rows -> state
+    kernel; attn_stages / rows_stages: of the attention and state -> rows kernels.
     interpret: run in the Pallas interpreter (off GPU).
     """
 
@@ -71,15 +69,13 @@ class Plan:
     attn_bq: int
     attn_bk: int
     state_br: int
-    rows_br: int
     query_br: int
     query_split: int
-    dq_br: int
+    grad_br: int
     expand_mma: bool
     state_be: int
     warps_attn: int
     warps_state: int
-    warps_update_bwd: int
     stages: int
     attn_stages: int
     rows_stages: int

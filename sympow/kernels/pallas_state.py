@@ -1,7 +1,7 @@
 """State kernels of the chunked algorithm: update_state, query_state and the prefix sum.
 
-Two kernel shapes cover the four state products, phi expanded tile by tile in registers
-(never written to memory); x is a row block (keys or queries) scaled per row by exp(ls):
+Two kernel shapes cover the state products, phi expanded tile by tile on chip (never
+written to memory); x is a row block (keys or queries) scaled per row by exp(ls):
 
 * rows -> state (`rows_to_state`), one program per (chunk, tile, value block):
     S_tile = sum_rows phi_tile(x)^T A,  z_tile = sum_rows phi_tile(x) b
@@ -9,12 +9,16 @@ Two kernel shapes cover the four state products, phi expanded tile by tile in re
   backward's state cotangent (x = Q of the R query heads, ls = g / p, A = dO_inter,
   b = dden_inter).
 * state -> rows, one program per (chunk, query head, row block), looping over the tiles:
-  query_state forward (`query_rows`: phi(x) S and phi(x) z, then the combine with the
-  intra-chunk (o, den, m)), and `rows_grad`: dphi = A S^T + b z^T chained back through the
-  tile products to dx, plus optionally phi(x) S: the query_state backward's dQ
-  (S = S_in, A = dO_inter, b = dden_inter) and the update_state backward's dK and dV
-  (S = dS, A = V, b = 1, out = phi(K) dS).
-Both return the row-scale cotangent dls = sum_d dx x for the gate gradients.
+  `query_rows` (phi(x) S and phi(x) z, then the combine with the intra-chunk (o, den, m)),
+  `rows_product` (phi(x) S: the update_state backward's dV = phi(K) dS) and `rows_grad`
+  (dphi = A S^T + b z^T chained back through the tile products to dx: the query_state
+  backward's dQ with S = S_in, A = dO_inter, b = dden_inter, and the update_state
+  backward's dK with S = dS, A = V, b = 1); rows_grad also returns the row-scale
+  cotangent dls = sum_d dx x for the gate gradients.
+
+States between kernels (S, the prefix states and their cotangents) are in the matmul
+dtype: they only ever feed MMAs, and every sum over rows or chunks runs in float32 on chip.
+z and the normalizer terms stay float32.
 
 The prefix sum walks the chunks sequentially per (kv head, feature block): fwd
 P_{n+1} = exp(g_last_n) P_n + S_n; bwd the reverse recursion plus d exp(g_last_n).
@@ -182,22 +186,30 @@ def combine_rows(o, den, m, inter_o, inter_den):
     return o * ci[:, None] + inter_o * ce[:, None], ci, ce
 
 
-def _query_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, o_ref, den_ref, m_ref,
-                  y_ref, ci_ref, ce_ref, *, plan: Plan):
+def _rows_out_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, *refs, plan: Plan,
+                     combine: bool):
+    """out = phi(x) S per row block; with `combine`, the query_state forward: also the
+    normalizer phi(x) z, combined with the intra-chunk (o, den, m) into (y, ci, ce)."""
+    z_ref = refs[0] if combine else None
     scale = jnp.exp(ls_ref[...])
 
     def body(carry, blocks, factors, prods, weight, feats):
         num, den = carry
         phi = prods[-1] * weight  # [br, tp / split]
-        return (num + dot(phi, s_ref[feats, :], plan),
-                den + dot(phi, _split_columns(z_ref[feats], plan), plan))
+        num = num + dot(phi, s_ref[feats, :], plan)
+        if combine:
+            den = den + dot(phi, _split_columns(z_ref[feats], plan), plan)
+        return num, den
 
     init = (jnp.zeros((plan.query_br, plan.e), jnp.float32),
-            jnp.zeros((plan.query_br, 16), jnp.float32))
-    inter_o, den16 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init,
-                                plan.query_split)
-    inter_den = jnp.sum(den16, axis=1)
-    y, ci, ce = combine_rows(o_ref[...], den_ref[...], m_ref[...], inter_o, inter_den)
+            jnp.zeros((plan.query_br, 16) if combine else (), jnp.float32))
+    num, den16 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init,
+                            plan.query_split)
+    if not combine:
+        refs[0][...] = num.astype(refs[0].dtype)
+        return
+    o_ref, den_ref, m_ref, y_ref, ci_ref, ce_ref = refs[1:]
+    y, ci, ce = combine_rows(o_ref[...], den_ref[...], m_ref[...], num, jnp.sum(den16, axis=1))
     y_ref[...] = y
     ci_ref[...] = ci
     ce_ref[...] = ce
@@ -214,69 +226,73 @@ def _split_columns(z, plan: Plan):
     return jnp.where(col == 0, hi[:, None], jnp.where(col == 1, (z - hi)[:, None], 0.0))
 
 
+def _launch_rows_out(x, ls, s, rest, plan: Plan, *, name: str, out_dtype):
+    """Grid and specs of `_rows_out_kernel` over row blocks of plan.query_br; rest = (z, o,
+    den, m) for the combine, else ()."""
+    bsz, hx, n, c, _ = x.shape
+    hk = s.shape[1]
+    per_row, ls_spec, state, norm = _row_specs(plan, hx, hk, plan.query_br)
+    tables, table_specs = _tables(plan)
+    rows_e = jax.ShapeDtypeStruct((bsz, hx, n, c, plan.e), out_dtype)
+    rows_1 = jax.ShapeDtypeStruct((bsz, hx, n, c), jnp.float32)
+    in_specs = [*table_specs, per_row(plan.d), ls_spec, state]
+    out_specs, out_shape = [per_row(plan.e)], [rows_e]
+    if rest:
+        in_specs += [norm, per_row(plan.e), per_row(), per_row()]
+        out_specs += [per_row(), per_row()]
+        out_shape += [rows_1, rows_1]
+    return launch(
+        lambda *refs: _rows_out_kernel(*refs, plan=plan, combine=bool(rest)), plan=plan,
+        name=name, grid=(hx // hk * (c // plan.query_br), n, bsz * hk), in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, warps=plan.warps_state,
+        stages=plan.rows_stages)(*tables, x, ls, s, *rest)
+
+
 def query_rows(q, ls, s, z, o, den, m, plan: Plan):
     """query_state forward: (y [B,Hq,N,C,E], ci, ce [B,Hq,N,C]) in float32.
 
     q [B,Hq,N,C,D]; ls = g / p [B,Hk,N,C]; s [B,Hk,N,F,E] in the matmul dtype, z [B,Hk,N,F]
     in float32 (`_split_columns`), both in the kernel layout.
     """
-    bsz, hq, n, c, _ = q.shape
-    hk = s.shape[1]
-    n_rb = c // plan.query_br
-    per_row, ls_spec, state, norm = _row_specs(plan, hq, hk, plan.query_br)
-    tables, table_specs = _tables(plan)
-    f32 = jnp.float32
-    rows_e = jax.ShapeDtypeStruct((bsz, hq, n, c, plan.e), f32)
-    rows_1 = jax.ShapeDtypeStruct((bsz, hq, n, c), f32)
-    return launch(
-        lambda *refs: _query_kernel(*refs, plan=plan), plan=plan, name="sympow_query_state",
-        grid=(hq // hk * n_rb, n, bsz * hk),
-        in_specs=[*table_specs, per_row(plan.d), ls_spec, state, norm, per_row(plan.e),
-                  per_row(), per_row()],
-        out_specs=[per_row(plan.e), per_row(), per_row()],
-        out_shape=[rows_e, rows_1, rows_1], warps=plan.warps_state, stages=plan.rows_stages,
-    )(*tables, q, ls, s, z, o, den, m)
+    return _launch_rows_out(q, ls, s, (z, o, den, m), plan, name="sympow_query_state",
+                            out_dtype=jnp.float32)
+
+
+def rows_product(x, ls, s, plan: Plan, *, name: str):
+    """phi(x exp(ls)) s [B,Hx,N,C,E] in the matmul dtype (the update_state backward's dV)."""
+    return _launch_rows_out(x, ls, s, (), plan, name=name, out_dtype=plan.mm_dtype)[0]
 
 
 def _rows_grad_kernel(blocks_ref, weights_ref, x_ref, ls_ref, s_ref, z_ref, a_ref, *refs,
-                      plan: Plan, br: int, has_b: bool, with_out: bool):
-    refs = list(refs)
-    b = refs.pop(0)[...] if has_b else None
-    dx_ref, dls_ref = refs[:2]
+                      plan: Plan, has_b: bool):
+    b = refs[0][...] if has_b else None
+    dx_ref, dls_ref = refs[1:] if has_b else refs
     scale = jnp.exp(ls_ref[...])
     a = a_ref[...]
-    t = plan.tile
+    t, br = plan.tile, plan.grad_br
 
-    def body(carry, blocks, factors, prods, weight, feats):
-        dx3, out = carry
+    def body(dx3, blocks, factors, prods, weight, feats):
         s_t, z_t = s_ref[feats, :], z_ref[feats]
-        dphi = dot(a, s_t, plan, trans_b=True)  # [br, tp / split]
+        dphi = dot(a, s_t, plan, trans_b=True)  # [br, tp]
         dphi = dphi + (z_t[None, :] if b is None else b[:, None] * z_t[None, :])
-        dx3 = scatter_blocks(dx3, tile_factor_grads(dphi * weight, factors, prods), blocks)
-        if with_out:
-            out = out + dot(prods[-1] * weight, s_t, plan)
-        return dx3, out
+        return scatter_blocks(dx3, tile_factor_grads(dphi * weight, factors, prods), blocks)
 
-    init = (jnp.zeros((br, plan.d // t, t), jnp.float32),
-            jnp.zeros((br, plan.e) if with_out else (), jnp.float32))
-    dx3, out = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body, init)
+    dx3 = _tile_loop(plan, blocks_ref, weights_ref, x_ref, scale, body,
+                     jnp.zeros((br, plan.d // t, t), jnp.float32))
     dx = dx3.reshape(br, plan.d)
     x = x_ref[...].astype(jnp.float32) * scale[:, None]
     dx_ref[...] = (dx * scale[:, None]).astype(dx_ref.dtype)
     dls_ref[...] = jnp.sum(dx * x, axis=1)
-    if with_out:
-        refs[2][...] = out.astype(refs[2].dtype)
 
 
-def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
-    """Backward through phi(x) against a state: (dx [like x], dls [B,Hx,N,C] f32[, out]).
-
-    dphi = a s^T + b z^T (b None: ones); out = phi(x) s [B,Hx,N,C,E] in a's dtype.
-    x, a, b are per row of head Hx = R Hk; ls, s, z per kv head.
+def rows_grad(x, ls, s, z, a, b, plan: Plan, *, name: str):
+    """Backward through phi(x) against a state: (dx [like x], dls [B,Hx,N,C] f32) for
+    dphi = a s^T + b z^T (b None: ones). x, a, b are per row of head Hx = R Hk; ls, s, z per
+    kv head.
     """
     bsz, hx, n, c, d = x.shape
     hk = s.shape[1]
-    br = plan.rows_br if with_out else plan.dq_br
+    br = plan.grad_br
     per_row, ls_spec, state, norm = _row_specs(plan, hx, hk, br)
     tables, table_specs = _tables(plan)
     in_specs = [*table_specs, per_row(d), ls_spec, state, norm, per_row(plan.e)]
@@ -284,19 +300,13 @@ def rows_grad(x, ls, s, z, a, b, plan: Plan, *, with_out: bool, name: str):
     if b is not None:
         in_specs.append(per_row())
         args.append(b)
-    out_specs = [per_row(d), per_row()]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((bsz, hx, n, c), jnp.float32)]
-    if with_out:
-        out_specs.append(per_row(plan.e))
-        out_shape.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
     return launch(
-        lambda *refs: _rows_grad_kernel(*refs, plan=plan, br=br, has_b=b is not None,
-                                        with_out=with_out),
+        lambda *refs: _rows_grad_kernel(*refs, plan=plan, has_b=b is not None),
         plan=plan, name=name, grid=(hx // hk * (c // br), n, bsz * hk), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape,
-        warps=plan.warps_update_bwd if with_out else plan.warps_state,
-        stages=plan.rows_stages)(*args)
+        out_specs=[per_row(d), per_row()],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   jax.ShapeDtypeStruct((bsz, hx, n, c), jnp.float32)],
+        warps=plan.warps_state, stages=plan.rows_stages)(*args)
 
 
 # ---------------------------------------------------------------------------------------
