@@ -256,3 +256,24 @@ def test_prefill_state_matches_xla_and_decoding_continues(rng):
     for i in range(t, t + 2):
         state, y_i = sympow.decode_step(state, q[:, i], k[:, i], v[:, i], log_g[:, i], p=p)
         assert rel_err(y_i, expected[:, i]) < 5e-5
+
+
+def test_bf16_states_between_kernels(rng):
+    """bf16 inputs: per-chunk and prefix states are stored in bf16 (they only feed MMAs), z
+    and the final state in float32, all within bf16 rounding of the float32 oracle."""
+    _, k, v, g = chunk_inputs(rng, d=32, n=4, dtype=jnp.bfloat16)
+    prims = primitives(2)
+    s, z = compiled(lambda *a: prims.update_state(*a, p=2))(k, v, g)
+    s_in, z_in, s_fin, z_fin = compiled(prims.prefix_sum)(s, z, g[..., -1])
+    assert s.dtype == s_in.dtype == jnp.bfloat16
+    assert z.dtype == z_in.dtype == s_fin.dtype == z_fin.dtype == jnp.float32
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    s_ref, z_ref = xla.update_state(f32(k), f32(v), g, p=2)
+    s_in_ref, z_in_ref, s_fin_ref, z_fin_ref = xla.prefix_sum(s_ref, z_ref, g[..., -1])
+    index, scale = tiled(32, 2)
+    to_sym = lambda x: f32(x)[..., index, :] * scale[:, None]  # noqa: E731
+    # bf16 S: each entry rounded once (2^-9) over bf16 MMA operands; z sums in float32.
+    for got, want, tol in [(to_sym(s), s_ref, 2 ** -7), (to_sym(s_in), s_in_ref, 2 ** -7),
+                           (s_fin, s_fin_ref, 2 ** -7), (z_fin, z_fin_ref, 1e-5),
+                           (f32(z_in)[..., index] * scale, z_in_ref, 1e-5)]:
+        assert rel_err(got, want) <= tol, (rel_err(got, want), tol)

@@ -99,14 +99,9 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         # Attention: [bq, bk] scores plus [bq, e] accumulator; 64 x 64 keeps both small for
         # d, e <= 128 and gives C / 64 query blocks of parallelism per chunk.
         attn_bq=min(c, 64), attn_bk=min(c, 64),
-        # rows -> state: [br, 256] phi per step into a [be, 256] accumulator. br = 128 was
+        # rows -> state: [256, br] phi^T per step into a [256, be] accumulator. br = 128 was
         # slower on H100 (update_state fwd 4.1 vs 2.4 ms at T=65536, H=8; docs/kernels.md).
         state_br=min(c, 64),
-        # ... phi^T built by exact products against 0/1 selections, the A operand of
-        # S = phi^T A: update_state fwd 1.38 vs 1.89 ms (outer products in registers, S^T =
-        # A^T phi) on H100. The state -> rows kernels keep the register tiles: there the
-        # expansion products measured slower (query fwd 3.4 vs 3.0 ms, backward 3-4x).
-        expand_mma=True,
         # Split E above 64 columns: the [be, 256] f32 accumulator stays at 64 KB.
         state_be=min(e, 64),
         # phi(x) S (query fwd, dV): 128 rows halve the state reads per row; half tiles

@@ -51,10 +51,6 @@ class Plan:
     update_state backward's dV), and the number of parts their phi tiles are built in (the
     first factor's slice split: [query_br, tp / split]).
     grad_br: row block of the kernels back through phi (dQ, dK).
-    expand_mma: the rows -> state kernel builds phi^T tiles by matrix products against 0/1
-    selections (`expand_factors_t`) and accumulates S = phi^T A (phi^T the register A
-    operand); False: outer products and reshapes in registers (`tile_products`), S^T = A^T
-    phi (phi the second operand) transposed once at the end.
     warps_*: Triton num_warps per kernel family; stages: num_stages of the rows -> state
     kernel; attn_stages / rows_stages: of the attention and state -> rows kernels.
     interpret: run in the Pallas interpreter (off GPU).
@@ -72,7 +68,6 @@ class Plan:
     query_br: int
     query_split: int
     grad_br: int
-    expand_mma: bool
     state_be: int
     warps_attn: int
     warps_state: int
@@ -229,7 +224,7 @@ def scatter_blocks(acc, grads, blocks):
 
 
 # ---------------------------------------------------------------------------------------
-# phi^T tiles by matrix products (Plan.expand_mma), for the rows -> state kernel. Factor k
+# phi^T tiles by matrix products, for the rows -> state kernel. Factor k
 # of feature f of a tile is x[:, a_k t + u_k(f)] with u_k(f) the k-th base-t digit of f; it
 # is read off a W-wide window of x (W = plan.window, aligned) by a product with a 0/1
 # selection [tp, W]. The products are exact (one nonzero term) and land in the accumulator

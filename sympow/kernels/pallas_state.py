@@ -69,22 +69,15 @@ def _rows_to_state_kernel(blocks_ref, weights_ref, x_ref, ls_ref, a_ref, *refs, 
         s, z = carry
         r = idiv(it, n_rb)
         rows = pl.ds(pl.multiple_of(irem(it, n_rb) * br, br), br)
-        a = a_ref[r, rows, :]
-        if plan.expand_mma:  # S += phi^T A: phi^T [tp, br] is the register A operand
-            row_scale = jnp.exp(plan.p * ls_ref[rows]) * weight  # phi is p-homogeneous
-            phi_t = product(expand_factors_t(x_ref, blocks, plan, rows, (r,))) * row_scale
-            zw = phi_t if b_ref is None else phi_t * b_ref[r, rows][None, :]
-            return s + dot(phi_t, a, plan), z + jnp.sum(zw, axis=1)  # [tp, be]
-        # S^T += A^T phi: phi [br, tp] (outer products in registers) is the B operand.
-        factors = load_factors(x_ref, blocks, plan.tile, jnp.exp(ls_ref[rows]), rows, (r,))
-        phi = tile_products(factors)[-1] * weight
-        zw = phi if b_ref is None else phi * b_ref[r, rows][:, None]
-        return s + dot(a, phi, plan, trans_a=True), z + jnp.sum(zw, axis=0)  # [be, tp]
+        # S += phi^T A: phi^T [tp, br] by selection products, the register A operand.
+        row_scale = jnp.exp(plan.p * ls_ref[rows]) * weight  # phi is p-homogeneous
+        phi_t = product(expand_factors_t(x_ref, blocks, plan, rows, (r,))) * row_scale
+        zw = phi_t if b_ref is None else phi_t * b_ref[r, rows][None, :]
+        return s + dot(phi_t, a_ref[r, rows, :], plan), z + jnp.sum(zw, axis=1)
 
-    shape = (tp, plan.state_be) if plan.expand_mma else (plan.state_be, tp)
-    init = (jnp.zeros(shape, jnp.float32), jnp.zeros((tp,), jnp.float32))
+    init = (jnp.zeros((tp, plan.state_be), jnp.float32), jnp.zeros((tp,), jnp.float32))
     s, z = jax.lax.fori_loop(0, groups * n_rb, body, init)
-    s_ref[...] = (s if plan.expand_mma else s.T).astype(s_ref.dtype)
+    s_ref[...] = s.astype(s_ref.dtype)
 
     @pl.when(irem(pl.program_id(0), n_eb) == 0)
     def _():
