@@ -102,7 +102,7 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         # rows -> state: [256, br] phi^T per step into a [256, be] accumulator. br = 128 was
         # slower on H100 (update_state fwd 4.1 vs 2.4 ms at T=65536, H=8; docs/kernels.md).
         state_br=min(c, 64),
-        # Split E above 64 columns: the [be, 256] f32 accumulator stays at 64 KB.
+        # Split E above 64 columns: the [256, be] f32 accumulator stays at 64 KB.
         state_be=min(e, 64),
         # phi(x) S (query fwd, dV): 128 rows halve the state reads per row; half tiles
         # [128, 128] keep phi at 64 KB: query fwd 2.17 vs 3.00 ms (64 rows, whole tiles) on
@@ -114,8 +114,8 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         grad_br=min(c, 128),
         warps_attn=4,
         # 8 warps: 256 threads share the [256, 64] float32 tiles (64 registers each); 4 warps
-        # were slower for every state kernel (H200, fwd+bwd of each primitive: update 5.0 vs
-        # 4.8 ms, query 11.4 vs 4.7).
+        # were slower for every state kernel (H200, fwd+bwd of each primitive, measured
+        # before the dK / dV split: update 5.0 vs 4.8 ms, query 11.4 vs 4.7).
         warps_state=8,
         # 3 stages: 2-15% faster than 2 on every kernel, within noise on none worse; fewer
         # where 3 copies of a loop's tiles would not fit in shared memory (d or e = 128).

@@ -3,8 +3,10 @@
 Every kernel of `pallas_attention` and `pallas_state` is launched through `launch`, which
 selects the Triton lowering on GPU (`interpret=True` elsewhere) and silences exactly the
 Triton deprecation warning of jax 0.11+. The phi helpers build one tile of the tiled
-symmetric power embedding (DESIGN.md section 2) from p block slices of a row block, in
-registers: a tile of width t holds the t^p products x[a_1 t + u_1] ... x[a_p t + u_p] for a
+symmetric power embedding (DESIGN.md section 2) from p block slices of a row block, either
+by outer products in registers (`tile_products`, the state -> rows kernels) or by exact
+products against 0/1 selections (`expand_factors_t`, the rows -> state kernel): a tile of
+width t holds the t^p products x[a_1 t + u_1] ... x[a_p t + u_p] for a
 fixed non-decreasing block sequence (a_1 <= ... <= a_p), in the feature order of
 `sympow.embedding.embedding_tables(d, p, t)`, so the kernel layout of F is that table's.
 """

@@ -144,18 +144,14 @@ def _tile_loop(plan: Plan, blocks_ref, weights_ref, x_ref, scale, body, init, sp
     weight, feats). Part h of a tile takes the h-th 1/split of the first factor's slice:
     features [h tp / split, (h + 1) tp / split) of the tile (the first factor varies slowest).
     """
-    t, part = plan.tile, plan.tile_features // split
+    t, part, width = plan.tile, plan.tile_features // split, plan.tile // split
 
     def step(it, carry):
-        f, h = idiv(it, split), irem(it, split)
+        f, h = (idiv(it, split), irem(it, split)) if split > 1 else (it, 0)
         blocks, weight = _tile(blocks_ref, weights_ref, f, plan.p)
-        factors = load_factors(x_ref, blocks[1:], t, scale)
-        if split == 1:
-            factors = load_factors(x_ref, blocks[:1], t, scale) + factors
-        else:
-            width = t // split
-            cols = pl.ds(pl.multiple_of(blocks[0] * t + h * width, width), width)
-            factors = [x_ref[:, cols].astype(jnp.float32) * scale[:, None]] + factors
+        first = pl.ds(pl.multiple_of(blocks[0] * t + h * width, width), width)
+        factors = [x_ref[:, first].astype(jnp.float32) * scale[:, None],
+                   *load_factors(x_ref, blocks[1:], t, scale)]
         feats = pl.ds(pl.multiple_of(f * plan.tile_features + h * part, part), part)
         return body(carry, blocks, factors, tile_products(factors), weight, feats)
     return jax.lax.fori_loop(0, plan.n_tiles * split, step, init)
