@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sympow.attention.reference import compute_dtype
+from sympow.numerics import compute_dtype
 
 __all__ = ["rotary_rates", "fixed_rotary_angles", "learned_rotary_angles", "apply_rotary"]
 

@@ -2,7 +2,7 @@
 
 from sympow.attention.api import decode_step, prefill, sympow_attention
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
-from sympow.attention.config import AttentionConfig, available_impls
+from sympow.attention.config import IMPLS, AttentionConfig, available_impls
 from sympow.attention.reference import (
     SympowState,
     attention_form,
@@ -12,7 +12,7 @@ from sympow.attention.reference import (
 )
 
 __all__ = [
-    "AttentionConfig", "ChunkPrimitives", "SympowState", "attention_form", "available_impls",
+    "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState", "attention_form", "available_impls",
     "chunked_attention", "decode_step", "init_state", "prefill", "recurrent_form",
     "recurrent_step", "sympow_attention",
 ]

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sympow.attention.reference import SympowState, compute_dtype, safe_divide
+from sympow.attention.reference import SympowState
+from sympow.numerics import compute_dtype, safe_divide
 
 
 class ChunkPrimitives(NamedTuple):

@@ -19,19 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.embedding import expanded_dim, sympow_embedding
-
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def compute_dtype(*xs) -> jnp.dtype:
-    """float32, or wider when an input (array or dtype) is float64 (x64 exactness checks)."""
-    return jnp.result_type(jnp.float32, *(x for x in xs if x is not None))
-
-
-def safe_divide(num: Array, den: Array) -> Array:
-    """num / den broadcast over the last axis of num, and 0 where den == 0 (no NaN grads)."""
-    positive = den > 0
-    return jnp.where(positive[..., None], num / jnp.where(positive, den, 1.0)[..., None], 0.0)
+from sympow.numerics import HIGHEST, compute_dtype, safe_divide
 
 
 def segment_sums(log_g: Float[Array, "B T H"]) -> Float[Array, "B H T T"]:

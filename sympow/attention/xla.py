@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.attention.chunked import ChunkPrimitives, combine
-from sympow.attention.reference import HIGHEST, compute_dtype
 from sympow.embedding import sympow_embedding
+from sympow.numerics import HIGHEST, compute_dtype
 
 
 def _map_chunks(fn, *xs):

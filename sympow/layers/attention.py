@@ -34,8 +34,8 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 import sympow
-from sympow.attention.config import IMPLS
-from sympow.attention.reference import SympowState, compute_dtype
+from sympow.attention import IMPLS, SympowState
+from sympow.numerics import compute_dtype
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
            "KVCache", "GATE_BIAS_INIT"]

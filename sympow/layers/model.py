@@ -21,9 +21,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import sympow
-from sympow.attention.reference import compute_dtype
 from sympow.layers import decode
 from sympow.layers.attention import SoftmaxAttention, SympowAttention
+from sympow.numerics import compute_dtype
 
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report"]
 

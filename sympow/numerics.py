@@ -1,0 +1,31 @@
+"""Numerics shared by the specification, the kernels' wrappers, rotary and the layers.
+
+One home for the three conventions every part of the library follows (docs/design.md §4):
+products at full float32 precision, computation in float32 or wider, and a division that
+gives 0 (not NaN) where the normalizer is 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+# Matmul precision of the pure-JAX forms: true float32 products (the default may be tf32 or
+# bf16 passes on GPU), so the specification is exact to float32 rounding.
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def compute_dtype(*xs) -> jnp.dtype:
+    """float32, or wider when an input (array or dtype) is float64 (x64 exactness checks)."""
+    return jnp.result_type(jnp.float32, *(x for x in xs if x is not None))
+
+
+def safe_divide(num: Array, den: Array) -> Array:
+    """num / den broadcast over the last axis of num, and 0 where den == 0 (no NaN grads).
+
+    num [..., E], den [...]: rows with nothing to average (den == 0) give 0, the output the
+    library defines for a row whose attention weights are all zero.
+    """
+    positive = den > 0
+    return jnp.where(positive[..., None], num / jnp.where(positive, den, 1.0)[..., None], 0.0)
