@@ -1,4 +1,4 @@
-"""Time sympow attention (impl='pallas', 'xla') against cuDNN softmax attention on GPU.
+"""Time sympow attention (every backend of the implementation table) against cuDNN on GPU.
 
   PYTHONPATH=. python3 experiments/benchmark.py --out=$OUT          # the sweep
   PYTHONPATH=. python3 experiments/benchmark.py --breakdown         # per-kernel, T=65536 H=8
@@ -23,7 +23,8 @@ from absl import app, flags  # noqa: E402
 
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
-_IMPLS = flags.DEFINE_list("impls", ["pallas", "cudnn", "xla"], "implementations")
+_IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS and 'cudnn' "
+                           "(default: the kernel tiers, cudnn, xla)")
 _REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")
 _CHUNK = flags.DEFINE_integer("chunk", None, "sympow chunk size (None: the impl's default)")
 _OUT = flags.DEFINE_string("out", None, "directory for benchmark.json / benchmark.png")
@@ -31,7 +32,7 @@ _CASE = flags.DEFINE_string("case", None, "internal: impl,T,H of one case (print
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "per-kernel times at --ts[-1], --heads[0]")
 _VARIANTS = flags.DEFINE_list(
     "variants", [""], "breakdown: plan overrides to compare, each 'field=value;...' with "
-    "fields of sympow.kernels.pallas_common.Plan (and chunk=)")
+    "fields of sympow.attention.pallas.plan.Plan (and chunk=)")
 _XLA_MAX_T = flags.DEFINE_integer("xla_max_t", 16384, "skip impl='xla' above this T")
 _TIMEOUT = flags.DEFINE_integer("timeout", 240, "seconds per case process")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "B * T")
@@ -79,8 +80,6 @@ def attention_fn(impl: str, chunk: int | None = None):
 def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
     import jax
 
-    import sympow.kernels.pallas  # noqa: F401
-
     q, k, v, log_g, ct = make_inputs(t, h)
     f = attention_fn(impl, chunk)
     fwd = jax.jit(f)
@@ -105,11 +104,11 @@ def override_plans(spec: str) -> int | None:
     """Apply 'field=value;...' to every Plan the tier makes; returns chunk= if given."""
     import dataclasses
 
-    from sympow.kernels import pallas
+    from sympow.attention.pallas import primitives
 
     fields = dict(kv.split("=") for kv in spec.split(";") if kv)
     chunk = fields.pop("chunk", None)
-    base = getattr(pallas.make_plan, "__wrapped_base__", pallas.make_plan)
+    base = getattr(primitives.make_plan, "__wrapped_base__", primitives.make_plan)
 
     def make_plan(*args):
         plan = base(*args)
@@ -119,7 +118,7 @@ def override_plans(spec: str) -> int | None:
             getattr(plan, k), bool) else v == "True" for k, v in fields.items()})
 
     make_plan.__wrapped_base__ = base
-    pallas.make_plan = make_plan
+    primitives.make_plan = make_plan  # the name the tier's primitives call
     return None if chunk is None else int(chunk)
 
 
@@ -128,21 +127,21 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
     import jax
     import jax.numpy as jnp
 
+    from sympow.attention.api import make_config
     from sympow.attention.chunked import normalize_queries_and_keys, to_chunks
-    from sympow.attention.config import AttentionConfig
-    from sympow.kernels import pallas
+    from sympow.attention.pallas import primitives
 
     jax.clear_caches()  # the public API's jit would reuse the previous variant's kernels
-    c = override_plans(spec) or _CHUNK.value or pallas.default_chunk_size(t)
+    chunk = override_plans(spec) or _CHUNK.value
+    config = make_config(t, 2, chunk, "pallas")
+    c = config.chunk_size
     q, k, v, log_g, _ = make_inputs(t, h)
     n = t // c
     q, k, _ = normalize_queries_and_keys(q, k)
     qc, kc, vc = (to_chunks(x, n, c) for x in (q, k, v))
     g = jnp.cumsum(to_chunks(log_g, n, c), axis=-1)
-    interpret = jax.default_backend() != "gpu"
-    prims = pallas.primitives_factory(AttentionConfig(p=2, chunk_size=c, impl="pallas",
-                                                      interpret=interpret))
-    plan = pallas.make_plan(2, D, D, c, "bfloat16", interpret)
+    prims = primitives.primitives(config)
+    plan = primitives.make_plan(2, D, D, c, "bfloat16", config.interpret)
     f_dim, b = plan.features, _TOKENS.value // t
     s, z = jax.jit(lambda k, v, g: prims.update_state(k, v, g, p=2))(kc, vc, g)
     s_in, z_in, *_ = jax.jit(prims.prefix_sum)(s, z, g[..., -1])
@@ -181,11 +180,23 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
     return dict(spec=spec, chunk=c, rows=rows, whole=whole)
 
 
+def impls() -> list[str]:
+    """--impls, checked against the implementation table (and 'cudnn', the baseline)."""
+    from sympow.attention import implementations
+
+    if _IMPLS.value is None:
+        return [*implementations.kernel_impls("gpu"), "cudnn", "xla"]
+    for impl in _IMPLS.value:
+        if impl != "cudnn":
+            implementations.check_impl(impl)
+    return list(_IMPLS.value)
+
+
 def sweep() -> list[dict]:
     results = []
     for h in map(int, _HEADS.value):
         for t in map(int, _TS.value):
-            for impl in _IMPLS.value:
+            for impl in impls():
                 if impl == "xla" and t > _XLA_MAX_T.value:
                     results.append(dict(impl=impl, t=t, h=h, skipped=f"T > {_XLA_MAX_T.value}"))
                     continue
@@ -230,7 +241,7 @@ def report(results: list[dict]) -> None:
     heads = sorted({r["h"] for r in results})
     fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.5), squeeze=False)
     for ax, h in zip(axes[0], heads, strict=True):
-        for impl in _IMPLS.value:
+        for impl in impls():
             pts = sorted((r["t"], r["fwd_ms"], r["fwd_bwd_ms"]) for r in results
                          if r["impl"] == impl and r["h"] == h and "fwd_ms" in r)
             if pts:

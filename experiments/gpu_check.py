@@ -1,9 +1,11 @@
-"""Correctness of the Pallas kernels on GPU (Triton, no interpreter): the checks of
-tests/test_kernels.py at sizes up to T=16384. Prints a table; exits non-zero on a failure.
+"""Correctness of the kernel tiers on GPU (compiled, no interpreter): the checks of the
+tests (sympow.attention.testing) at sizes up to T=16384, for every kernel tier of the
+implementation table (`implementations.kernel_impls()`, today 'pallas') or --impls.
+Prints a table; exits non-zero on a failure.
 
   PYTHONPATH=. python3 experiments/gpu_check.py [--quick] [--json=$OUT/gpu_check.json]
 
-bf16: gold/ref/test of tests/kernel_cases.py (gold = the float32 oracle: the quadratic
+bf16: gold/ref/test of sympow.attention.testing (gold = the float32 oracle: the quadratic
 reference up to T=2048, the chunked pure-JAX 'xla' impl above). float32: relative L2 error.
 Adversarial inputs (zero queries/keys, norms 1e3, log_g = 0 and -1e4, T=1): finite outputs
 and gradients that match the oracle.
@@ -23,6 +25,8 @@ from absl import app, flags  # noqa: E402
 _QUICK = flags.DEFINE_bool("quick", False, "a few small cases only")
 _MAX_T = flags.DEFINE_integer("max_t", 16384, "skip cases longer than this")
 _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
+_IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: the kernel tiers of "
+                           "the implementation table on this platform)")
 _ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge"],
                           "random: the CASES; edge: T=1 and the adversarial inputs")
 
@@ -48,45 +52,49 @@ def main(argv):
     import jax
     import numpy as np
 
-    import sympow.kernels.pallas  # noqa: F401  (registers impl='pallas')
-    from tests import kernel_cases as kc
+    from sympow.attention import implementations, testing
 
     print(f"jax {jax.__version__}, devices {jax.devices()}, backend {jax.default_backend()}")
     rows, failures = [], 0
     rng = np.random.default_rng(int(time.time()))
     selected = [CASES[i] for i in QUICK] if _QUICK.value else CASES
-    jobs = [(kc.Case(**kw), dt, "random") for kw, dts in selected for dt in dts]
+    impls = _IMPLS.value or implementations.kernel_impls()
+    for impl in impls:
+        implementations.check_impl(impl)
+    jobs = [(testing.Case(**kw), dt, "random") for kw, dts in selected for dt in dts]
     if _ONLY.value == "edge":
         jobs = [job for job in jobs if job[0].t == 1]
     if _ONLY.value != "random":
-        jobs += [(kc.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
+        jobs += [(testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
                  for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
+    jobs = [(impl, *job) for impl in impls for job in jobs]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for case, dtype, kind in jobs:
+        for impl, case, dtype, kind in jobs:
             if case.t > _MAX_T.value:
                 continue
             gold = "reference" if case.t <= 2048 else "xla"
             start = time.time()
             try:
-                args = kc.inputs(case, rng, kind=kind)
+                args = testing.inputs(case, rng, kind=kind)
                 # T=1 and adversarial inputs: some gradients are 0 up to rounding (y = v).
                 floor = 1e-2 if kind == "random" and case.t > 1 else 1.0
                 if dtype == "bfloat16":
                     got = [(n, e_t, f"ref {e_r:.2e} bound {b:.2e}", ok) for n, e_t, e_r, b, ok
-                           in kc.check_bf16(case, args, gold_impl=gold, floor=floor)]
+                           in testing.check_bf16(case, args, impl, gold_impl=gold, floor=floor)]
                 else:
                     got = [(n, e, f"tol {tol:.0e}", ok) for n, e, tol, ok
-                           in kc.check_fp32(case, args, gold_impl=gold, floor=floor)]
+                           in testing.check_fp32(case, args, impl, gold_impl=gold, floor=floor)]
             except Exception:  # noqa: BLE001  (report every case, then fail)
                 traceback.print_exc()
                 got = [("error", float("nan"), "exception", False)]
             for name, err, note, ok in got:
                 failures += not ok
-                rows.append(dict(case=case.name, dtype=dtype, kind=kind, output=name, err=err,
-                                 note=note, ok=ok, seconds=round(time.time() - start, 1)))
-                print(f"{case.name:42s} {dtype:8s} {kind:12s} {name:6s} {err:9.2e} {note:28s} "
-                      f"{'ok' if ok else 'FAIL'}", flush=True)
+                rows.append(dict(impl=impl, case=case.name, dtype=dtype, kind=kind, output=name,
+                                 err=err, note=note, ok=ok,
+                                 seconds=round(time.time() - start, 1)))
+                print(f"{impl:7s} {case.name:42s} {dtype:8s} {kind:12s} {name:6s} {err:9.2e} "
+                      f"{note:28s} {'ok' if ok else 'FAIL'}", flush=True)
     triton_warnings = [str(w.message) for w in caught if "Triton" in str(w.message)]
     print(f"Triton warnings that escaped the filter: {len(triton_warnings)}")
     print(f"other warnings: {sorted({str(w.message)[:100] for w in caught})[:10]}")

@@ -1,13 +1,13 @@
 """Symmetric power embedding phi^p and state sizes.
 
 phi^p maps x in R^d to R^F so that phi(q) . phi(k) = (q . k)^p exactly. One family covers
-the three embeddings of the seeds, indexed by a tile width t dividing d:
+the three embeddings of the articles (docs/references.md), indexed by a tile width t dividing d:
 
-* t = 1: the symmetric power (seed 000 section 4): one feature per non-decreasing
+* t = 1: the symmetric power ([sympow] §4; docs/references.md): one feature per non-decreasing
   multi-index alpha over [0, d), value sqrt(multinomial(alpha)) * prod_k x[alpha_k];
   F = C(d + p - 1, p).
 * t = d: the tensor power, F = d^p.
-* 1 < t < d: tiled interpolation (seed 001). Cut [0, d) into d/t blocks; keep one t^p tile
+* 1 < t < d: tiled interpolation ([kernel-notes]). Cut [0, d) into d/t blocks; keep one t^p tile
   (outer product of block slices) per non-decreasing sequence of block indices, weighted by
   the square root of that sequence's multinomial count; F = C(d/t + p - 1, p) * t^p.
 
@@ -113,8 +113,8 @@ def state_bytes(
 ) -> int:
     """Bytes of the recurrent state: layers * heads * F * (e + 1) * bytes_per_number.
 
-    Per head the state is S [E, F] plus the normalizer Z [F] (seed 000 section 1). With
-    GPT-2 small (layers=12, heads=12, d=e=64, 2 bytes) this gives the seed tables: 39 MB
+    Per head the state is S [E, F] plus the normalizer Z [F] ([sympow] §1). With
+    GPT-2 small (layers=12, heads=12, d=e=64, 2 bytes) this gives the tables of [sympow]: 39 MB
     (p=2), 14 GB (4), 2.2 TB (6), 199 TB (8) for the symmetric power and 77 MB, 314 GB,
     1.3 PB, 5.3 EB for the tensor power (tile=d); decimal units.
     """

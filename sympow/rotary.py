@@ -1,4 +1,5 @@
-"""Rotary position embeddings: fixed (RoPE) and data-dependent (seed 002 section 3.2).
+"""Rotary position embeddings: fixed (RoPE) and data-dependent ([conformal] §3.2;
+docs/references.md).
 
 Pairs (2j, 2j+1) of a query or key are rotated by the angle mu_i * theta_j with rates
 theta_j = 2 pi / N^(2j/D), j = 0 .. D/2 - 1. Fixed rotary uses mu_i = i; learned rotary
@@ -23,7 +24,7 @@ __all__ = ["rotary_rates", "fixed_rotary_angles", "learned_rotary_angles", "appl
 def rotary_rates(d: int, base: float = 65536.0) -> Float[Array, " D/2"]:
     """Rotation rates theta_j = 2 pi / base^(2j/d), j = 0 .. d/2 - 1, as float32 [d/2].
 
-    `base` is N of seed 002 (the maximum document size; 65536 for LongCrawl64).
+    `base` is N of [conformal] (the maximum document size; 65536 for LongCrawl64).
     """
     if not isinstance(d, int) or d < 2 or d % 2:
         raise ValueError(f"d must be a positive even int, got d={d!r}")
@@ -45,7 +46,7 @@ def learned_rotary_angles(
     theta: Float[Array, " D/2"],
     mu0: Float[Array, "B H"] | None = None,
 ) -> tuple[Float[Array, "B T H D/2"], Float[Array, "B T H"]]:
-    """Data-dependent angles of seed 002: mu_i = mu_{i-1} + beta_i, angle = mu_i * theta.
+    """Data-dependent angles of [conformal] §3.2: mu_i = mu_{i-1} + beta_i, angle = mu_i * theta.
 
     Args:
       beta: [B, T, H] rate multipliers (1 + tanh(W_beta x) in the layers), per head.

@@ -1,4 +1,4 @@
-"""phi^p identities, feature dimensions and the seed 000 state tables."""
+"""phi^p identities, feature dimensions and the state tables of [sympow]."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_inner_product_is_power(x64, rng, p, tile):
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
-def test_symmetric_power_matches_seed_loop(x64, rng, p):
+def test_symmetric_power_matches_the_articles_loop(x64, rng, p):
     x = rng.normal(size=6)
     np.testing.assert_allclose(sympow.sympow_embedding(jnp.asarray(x), p),
                                naive_symmetric_power(x, p), rtol=1e-12)
@@ -72,7 +72,7 @@ def test_tables_are_cached_and_readonly():
     (2, 1, 1e6, 39), (4, 1, 1e9, 14), (6, 1, 1e12, 2.2), (8, 1, 1e12, 199),
     (2, 64, 1e6, 77), (4, 64, 1e9, 314), (6, 64, 1e15, 1.3), (8, 64, 1e18, 5.3),
 ])
-def test_state_tables_of_seed_000(p, tile, unit, printed):
+def test_state_tables_of_the_sympow_article(p, tile, unit, printed):
     size = sympow.state_bytes(64, p, layers=12, heads=12, tile=tile) / unit
     digits = 1 if printed < 10 else 0
     assert round(size, digits) == printed

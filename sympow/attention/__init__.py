@@ -1,8 +1,22 @@
-"""The sympow attention op: reference forms, the chunked algorithm and its primitives."""
+"""The sympow attention op, in one folder with fixed roles (docs/design.md §5.1).
 
-from sympow.attention.api import decode_step, prefill, sympow_attention
+  api.py              public functions, argument validation, the one custom_vjp
+  config.py           the frozen static config of a call
+  implementations.py  the one implementation table, keyed by (algorithm, backend)
+  reference.py        the specification: quadratic attention form, recurrent form
+  chunked.py          the chunked algorithm, written once over swappable primitives
+  xla.py              pure-JAX primitives (the kernels' oracle, the CPU path)
+  pallas/             the portable Pallas kernel tier, split by role
+  testing.py          cases and checks shared by the tests and the GPU runner
+
+This package's namespace is the op's public face, what `sympow.layers` and the rest of the
+library import.
+"""
+
+from sympow.attention.api import check_settings, decode_step, prefill, sympow_attention
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
-from sympow.attention.config import IMPLS, AttentionConfig, available_impls
+from sympow.attention.config import AttentionConfig
+from sympow.attention.implementations import IMPLEMENTATIONS, IMPLS, available_impls
 from sympow.attention.reference import (
     SympowState,
     attention_form,
@@ -12,7 +26,7 @@ from sympow.attention.reference import (
 )
 
 __all__ = [
-    "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState", "attention_form", "available_impls",
-    "chunked_attention", "decode_step", "init_state", "prefill", "recurrent_form",
-    "recurrent_step", "sympow_attention",
+    "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
+    "attention_form", "available_impls", "check_settings", "chunked_attention", "decode_step",
+    "init_state", "prefill", "recurrent_form", "recurrent_step", "sympow_attention",
 ]

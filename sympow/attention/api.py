@@ -1,8 +1,10 @@
 """Public functional API: `sympow_attention`, `prefill` and `decode_step`.
 
-The custom_vjp is applied once, here, with the static settings in one frozen
-`AttentionConfig`. Its forward saves only the inputs; the backward recomputes the forward of
-the chosen implementation under jax.vjp, so no per-chunk intermediate outlives the call.
+Arguments are validated here (ValueErrors that name the argument and the shapes), the
+implementation is chosen from the one table (`implementations.py`), and the custom_vjp is
+applied once, with the static settings in one frozen `AttentionConfig`. Its forward saves
+only the inputs; the backward recomputes the forward of the chosen implementation under
+jax.vjp, so no per-chunk intermediate outlives the call.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sympow import kernels
-from sympow.attention import xla
-from sympow.attention.chunked import ChunkPrimitives, chunked_attention
-from sympow.attention.config import AttentionConfig, default_chunk_size, resolve_impl
-from sympow.attention.reference import SympowState, attention_form, recurrent_step
+from sympow.attention import implementations
+from sympow.attention.config import AttentionConfig
+from sympow.attention.reference import SympowState, recurrent_step
 
-__all__ = ["sympow_attention", "prefill", "decode_step", "make_config"]
+__all__ = ["sympow_attention", "prefill", "decode_step", "make_config", "check_settings"]
 
 
 def _shape_error(name: str, expected: str, args: dict) -> ValueError:
@@ -30,8 +30,7 @@ def _shape_error(name: str, expected: str, args: dict) -> ValueError:
 
 def validate_inputs(q, k, v, log_g, p) -> None:
     """Raise ValueError naming the argument and the shapes for anything outside the contract."""
-    if not isinstance(p, int) or isinstance(p, bool) or p <= 0 or p % 2:
-        raise ValueError(f"p must be a positive even int, got p={p!r}")
+    check_p(p)
     args = {"q": q, "k": k, "v": v, "log_g": log_g}
     for name in ("q", "k", "v"):
         if getattr(args[name], "ndim", None) != 4:
@@ -58,29 +57,37 @@ def validate_inputs(q, k, v, log_g, p) -> None:
         raise ValueError(f"q, k and v must be floating point, got dtype {q.dtype}")
 
 
-def make_config(length: int, p: int, chunk_size: int | None, impl: str | None) -> AttentionConfig:
-    """Resolve the defaults into a frozen AttentionConfig (validating chunk_size and impl)."""
-    impl = resolve_impl(impl)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(length, impl)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    return AttentionConfig(p=p, chunk_size=chunk_size, impl=impl,
-                           interpret=jax.default_backend() != "gpu")
+def check_p(p) -> None:
+    if not isinstance(p, int) or isinstance(p, bool) or p <= 0 or p % 2:
+        raise ValueError(f"p must be a positive even int, got p={p!r}")
 
 
-def _primitives(config: AttentionConfig) -> ChunkPrimitives:
-    if config.impl in ("xla", "reference"):
-        return xla.PRIMITIVES
-    return kernels.primitives(config)
+def check_settings(*, p, chunk_size, impl) -> None:
+    """ValueError for a p, chunk_size or impl outside the contract (what the layers check at
+    construction, before any input exists)."""
+    check_p(p)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got "
+                         f"chunk_size={chunk_size!r}")
+    implementations.check_impl(impl)
+
+
+def make_config(length: int, p: int, chunk_size: int | None, impl: str | None, *,
+                need_state: bool = False) -> AttentionConfig:
+    """Choose the implementation and fill in the defaults: the frozen config of one call."""
+    check_settings(p=p, chunk_size=chunk_size, impl=impl)
+    row = implementations.select(impl, need_state=need_state)
+    if row.default_chunk_size is None:
+        chunk_size = None  # only the chunked algorithm has chunks
+    elif chunk_size is None:
+        chunk_size = row.default_chunk_size(length)
+    return AttentionConfig(p=p, algorithm=row.algorithm, backend=row.backend,
+                           chunk_size=chunk_size, interpret=jax.default_backend() != "gpu")
 
 
 def _forward(config: AttentionConfig, q, k, v, log_g) -> Array:
-    if config.impl == "reference":
-        y = attention_form(q, k, v, log_g, config.p)
-    else:
-        y, _ = chunked_attention(q, k, v, log_g, p=config.p, chunk_size=config.chunk_size,
-                                 primitives=_primitives(config))
+    y, _ = implementations.lookup(config).run(config, q, k, v, log_g)
     return y.astype(v.dtype)
 
 
@@ -113,8 +120,7 @@ _attention_jit = jax.jit(_attention, static_argnums=0)
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(config: AttentionConfig, q, k, v, log_g):
-    y, state = chunked_attention(q, k, v, log_g, p=config.p, chunk_size=config.chunk_size,
-                                 primitives=_primitives(config))
+    y, state = implementations.lookup(config).run(config, q, k, v, log_g)
     return y.astype(v.dtype), state
 
 
@@ -144,8 +150,10 @@ def sympow_attention(
       p: positive even power.
       chunk_size: chunk C of the chunked algorithm; None chooses. Any T works (the tail is
         padded). Ignored by impl='reference'.
-      impl: None picks the fastest available; 'mosaic_gpu' | 'pallas' (GPU kernels) |
-        'xla' (chunked, pure JAX) | 'reference' (attention form, O(T^2) memory).
+      impl: the backend (docs/design.md §5.1): None picks the fastest available on the
+        platform; 'pallas' (Pallas kernels of the chunked algorithm; Triton on GPU, the
+        interpreter elsewhere) | 'xla' (the chunked algorithm in pure JAX) | 'reference'
+        (the quadratic attention form, O(T^2) memory).
 
     Returns:
       [B, T, Hq, E] in v's dtype (accumulated in float32).
@@ -167,12 +175,13 @@ def prefill(
 ) -> tuple[Float[Array, "B T Hq E"], SympowState]:
     """Chunked forward over a prompt that also returns the recurrent state after it.
 
-    Same arguments as `sympow_attention` (impl='reference' runs the pure-JAX chunked form).
-    Returns (y [B, T, Hq, E] in v's dtype, SympowState with s [B, Hk, F, E] and
-    z [B, Hk, F] in float32, F = expanded_dim(D, p)) to continue with `decode_step`.
+    Same arguments as `sympow_attention`; impl='reference' runs the specification's
+    recurrent scan (one token at a time, for tests). Returns (y [B, T, Hq, E] in v's dtype,
+    SympowState with s [B, Hk, F, E] and z [B, Hk, F] in float32, F = expanded_dim(D, p))
+    to continue with `decode_step`.
     """
     validate_inputs(q, k, v, log_g, p)
-    config = make_config(q.shape[1], p, chunk_size, "xla" if impl == "reference" else impl)
+    config = make_config(q.shape[1], p, chunk_size, impl, need_state=True)
     return _prefill(config, q, k, v, log_g)
 
 

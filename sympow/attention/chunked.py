@@ -13,7 +13,7 @@ log gate inside each chunk (g <= 0, decreasing):
    (o, den, m) before the one division.
 
 `ChunkPrimitives` holds one implementation of each (pure JAX in `xla.py`, Pallas kernels in
-`sympow.kernels`). Shapes in chunk layout: q [B, Hq, N, C, D]; k [B, Hk, N, C, D];
+`sympow.attention.pallas`). Shapes in chunk layout: q [B, Hq, N, C, D]; k [B, Hk, N, C, D];
 v [B, Hk, N, C, E]; g [B, Hk, N, C]; states s [B, Hk, N, F, E], z [B, Hk, N, F].
 
 Numerics: phi is homogeneous of degree P and each row of attention is a distribution, so

@@ -44,7 +44,8 @@ def attention_form(
     log_g: Float[Array, "B T Hk"] | None,
     p: int,
 ) -> Float[Array, "B T Hq E"]:
-    """Causal gated sympow attention in O(T^2), stable as in seed 000.
+    """Causal gated sympow attention in O(T^2), stable as in [sympow] §4
+    (docs/references.md).
 
     Scores go to log space, P log|Q_i . K_j| + log b_ij, minus the row max, then back with
     exp; sums accumulate in float32. Returns float32 [B, T, Hq, E].
@@ -131,7 +132,7 @@ def recurrent_form(
     tile: int = 1,
     state: SympowState | None = None,
 ) -> tuple[Float[Array, "B T Hq E"], SympowState]:
-    """The recurrence of seed 002 A.1 as a lax.scan over time, carrying (S, Z).
+    """The recurrence of [conformal] §A.1 as a lax.scan over time, carrying (S, Z).
 
     Returns (y float32 [B, T, Hq, E], final state). `state` continues an earlier call.
     """

@@ -114,3 +114,9 @@ def query_state(
 
 
 PRIMITIVES = ChunkPrimitives(update_state, prefix_sum, attention, query_state)
+
+
+def default_chunk_size(length: int) -> int:
+    """C when the caller gives none: 64 balances the O(T C) intra-chunk work against the
+    O(T F E / C) state work for d = 64, p = 2, and never more than the (8-rounded) sequence."""
+    return max(1, min(64, -(-length // 8) * 8))

@@ -1,6 +1,6 @@
 """One parameterized suite for every implementation of `sympow.sympow_attention`.
 
-Subclass `AttentionSuite` with `impl = "<name>"` (and `chunk_sizes`) in a test module; the
+Subclass `AttentionSuite` with `impl = "<name>"` (and `chunk`) in a test module; the
 reference is the attention form on float32 inputs. bf16 uses the gold/ref/test method:
 gold = reference on fp32 inputs, ref = reference on bf16 inputs, test = impl on bf16 inputs,
 and requires ||gold - test|| <= 2 ||gold - ref|| + 1e-3 ||gold||.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import sympow
-from tests.helpers import attention_inputs, rel_err
+from sympow.attention.testing import attention_inputs, rel_err
 
 ADVERSARIAL = ["zero_queries", "zero_keys", "huge_norms", "gate_open", "gate_shut", "length_1"]
 

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sympow.kernels.pallas_common import Plan, dot, idiv, irem, launch, split_heads
+from sympow.attention.pallas.launch import dot, idiv, irem, launch, split_heads
+from sympow.attention.pallas.plan import Plan
 
 
 def _scores(q, k, g_q, g_k, rows, cols, plan: Plan):

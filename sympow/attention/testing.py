@@ -1,12 +1,12 @@
-"""Cases and checks shared by tests/test_kernels.py (CPU, Pallas interpreter) and
-experiments/gpu_check.py (GPU, Triton): one definition of what "the kernels are right" means.
+"""Cases and checks shared by the tests (CPU, Pallas interpreter) and the GPU runner
+(experiments/gpu_check.py, Triton): one definition of what "an implementation is right" means.
 
-bf16 follows DESIGN.md section 3: gold = the oracle on float32 inputs, ref = the oracle on
-bf16 inputs, test = the kernels on bf16 inputs; each output X (y and the four gradients,
+bf16 follows docs/design.md §4: gold = the oracle on float32 inputs, ref = the oracle on bf16
+inputs, test = the implementation on bf16 inputs; each output X (y and the four gradients,
 under a random cotangent) must satisfy ||gold - test|| <= K ||gold - ref|| + ATOL ||gold||
 in the L2 norm over X (the max norm alone swings by 3x between seeds on small problems;
 it is kept as a looser element-wise guard).
-float32 compares the kernels with the float32 oracle by relative L2 error.
+float32 compares an implementation with the float32 oracle by relative L2 error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-import sympow
+from sympow.attention.api import sympow_attention
 
 K_BF16 = 2.5  # test may be at most this many times further from gold than ref is (L2)
 # ... plus this fraction of ||gold||: 2^-8, one bf16 ulp, since every output is stored in
@@ -87,7 +87,7 @@ CPU_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == 
 def forward_and_grads(q, k, v, log_g, dy, *, impl: str, p: int, chunk: int):
     """y and its vjp (dq, dk, dv, dlog_g) under cotangent dy, as a dict of float32 arrays."""
     def f(q, k, v, log_g):
-        return sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
+        return sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
 
     if log_g is None:
         y, vjp = jax.vjp(lambda q, k, v: f(q, k, v, None), q, k, v)
@@ -111,10 +111,6 @@ def _l2(x, y=None) -> float:
     return float(np.linalg.norm(x if y is None else x - np.asarray(y, np.float64)))
 
 
-def _max_abs(x, y) -> float:
-    return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-
-
 def check_bf16(case: Case, args, impl: str = "pallas", gold_impl: str = "reference",
                floor: float = 1e-2):
     """Rows (output, err_test, err_ref, bound, ok) of the gold/ref/test comparison.
@@ -136,8 +132,8 @@ def check_bf16(case: Case, args, impl: str = "pallas", gold_impl: str = "referen
         err_test, err_ref = _l2(gold[name], test[name]) / scale, _l2(gold[name], ref[name]) / scale
         bound = K_BF16 * err_ref + ATOL_BF16
         ok = bool(np.all(np.isfinite(np.asarray(test[name]))) and err_test <= bound
-                  and _max_abs(gold[name], test[name])
-              <= K_MAX_BF16 * _max_abs(gold[name], ref[name])
+                  and max_err(gold[name], test[name])
+              <= K_MAX_BF16 * max_err(gold[name], ref[name])
               + ATOL_BF16 * max(float(np.max(np.abs(np.asarray(gold[name])))),
                                 floor_scale / np.sqrt(gold[name].size)))
         rows.append((name, err_test, err_ref, bound, ok))
@@ -177,3 +173,27 @@ def pallas_call_names(fn, *args) -> list[str]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return names
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs and error measures of the small test suites.
+
+
+def attention_inputs(rng, *, b=2, t=37, hq=4, hk=2, d=8, e=6, gating=True, dtype=jnp.float32,
+                     scale=1.0):
+    """Fresh random q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] (or None)."""
+    q = jnp.asarray(scale * rng.normal(size=(b, t, hq, d)), dtype)
+    k = jnp.asarray(scale * rng.normal(size=(b, t, hk, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, t, hk, e)), dtype)
+    log_g = jnp.asarray(np.log(rng.uniform(0.5, 1.0, size=(b, t, hk))), dtype) if gating else None
+    return q, k, v, log_g
+
+
+def rel_err(x, y) -> float:
+    """||x - y|| / ||y|| in float64."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def max_err(x, y) -> float:
+    return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))

@@ -1,4 +1,4 @@
-"""Public API: argument validation, dispatch, dtypes; the shared suite for impl='xla'."""
+"""Public API (api.py): argument validation, output dtypes, prefill and decode_step."""
 
 from __future__ import annotations
 
@@ -7,21 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import sympow
-from tests.attention_suite import AttentionSuite
-from tests.helpers import attention_inputs
-
-
-class TestXla(AttentionSuite):
-    impl = "xla"
-
-
-class TestReference(AttentionSuite):
-    impl = "reference"
-    chunk = None
-
-
-def test_default_impl_on_cpu_is_xla():
-    assert sympow.available_impls()[0] == "xla" or jax.default_backend() == "gpu"
+from sympow.attention.testing import attention_inputs, rel_err
 
 
 def test_output_dtype_follows_v(rng):
@@ -45,7 +31,8 @@ def test_output_dtype_follows_v(rng):
      r"log_g must be \[B, T, Hk\] = \[2, 5, 2\].*log_g \(2, 5, 1\)"),
     (lambda a: {**a, "log_g": a["log_g"].astype(jnp.int32)}, r"log_g must be floating point"),
     (lambda a: {**a, "v": a["v"].astype(jnp.bfloat16)}, r"q, k and v must share one dtype"),
-    (lambda a: {**a, "chunk_size": 0}, r"chunk_size must be a positive int or None, got 0"),
+    (lambda a: {**a, "chunk_size": 0},
+     r"chunk_size must be a positive int or None, got chunk_size=0"),
     (lambda a: {**a, "chunk_size": 2.5}, r"chunk_size must be a positive int"),
     (lambda a: {**a, "impl": "cuda"}, r"impl must be one of .* got impl='cuda'"),
 ])
@@ -62,12 +49,24 @@ def test_integer_inputs_raise(rng):
         sympow.sympow_attention(*(x.astype(jnp.int32) for x in (q, k, v)))
 
 
-def test_unavailable_impl_names_backend(rng):
+def test_unavailable_impl_names_backend(rng, monkeypatch):
+    """The Pallas tier runs on GPU and (interpreted) on CPU; on any other platform asking
+    for it names the platform and what is available there."""
     q, k, v, _ = attention_inputs(rng, t=3)
-    if "mosaic_gpu" in sympow.available_impls():
-        pytest.skip("mosaic_gpu is available on this backend")
-    with pytest.raises(ValueError, match="impl='mosaic_gpu' is not available on backend"):
-        sympow.sympow_attention(q, k, v, impl="mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ValueError, match=r"impl='pallas' is not available on backend 'tpu'; "
+                                         r"available: \('xla', 'reference'\)"):
+        sympow.sympow_attention(q, k, v, impl="pallas")
+
+
+def test_prefill_reference_runs_the_recurrent_form(rng):
+    """impl='reference' has two specification forms; prefill takes the one with a state."""
+    q, k, v, log_g = attention_inputs(rng, t=9)
+    y, state = sympow.prefill(q, k, v, log_g, p=2, impl="reference")
+    y_chunked, state_chunked = sympow.prefill(q, k, v, log_g, p=2, impl="xla", chunk_size=4)
+    expected = sympow.sympow_attention(q, k, v, log_g, p=2, impl="reference")
+    assert rel_err(y, expected) < 1e-5 and rel_err(y_chunked, expected) < 1e-5
+    assert rel_err(state.s, state_chunked.s) < 1e-5 and rel_err(state.z, state_chunked.z) < 1e-5
 
 
 def test_decode_step_validates_state(rng):

@@ -1,0 +1,135 @@
+"""The one implementation table of the attention op: every (algorithm, backend) that exists.
+
+Every caller reads this table: the API (`api.py`) to run a call, the layers to check their
+`impl` argument, experiments/benchmark.py and experiments/gpu_check.py to pick what they
+time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
+
+  algorithm  'chunked'   the chunked algorithm over four primitives (chunked.py), linear in T
+             'attention' the attention form, O(T^2) in the reference
+             'recurrent' the recurrence, one token at a time
+  backend    'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
+             'xla'       pure JAX, memory-conscious
+             'reference' the specification forms (reference.py)
+
+The public `impl=` argument names a backend. Within it the first row, in table order, that
+runs on the platform and gives what the call needs (the final state, for `prefill`) is
+used; `impl=None` takes the first row whose backend is a default on the platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from sympow.attention import xla
+from sympow.attention.chunked import ChunkPrimitives, chunked_attention
+from sympow.attention.config import AttentionConfig
+from sympow.attention.pallas import plan as pallas_plan
+from sympow.attention.pallas import primitives as pallas_primitives
+from sympow.attention.reference import attention_form, recurrent_form
+
+ANY_PLATFORM = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One row of the table.
+
+    run(config, q, k, v, log_g) -> (y float32 [B, T, Hq, E], final state or None).
+    platforms: the JAX backends it runs on (None: all). default_on: those on which
+    impl=None may choose it. has_state: `run` returns the recurrent state after the last
+    token (what `prefill` needs). default_chunk_size(T): C when the caller gives none
+    (chunked only).
+    """
+
+    algorithm: str
+    backend: str
+    run: Callable
+    platforms: tuple[str, ...] | None = ANY_PLATFORM
+    default_on: tuple[str, ...] | None = ()
+    has_state: bool = False
+    default_chunk_size: Callable[[int], int] | None = None
+
+    def runs_on(self, platform: str) -> bool:
+        return self.platforms is ANY_PLATFORM or platform in self.platforms
+
+    def is_default_on(self, platform: str) -> bool:
+        return self.default_on is ANY_PLATFORM or platform in self.default_on
+
+
+def _chunked(primitives: Callable[[AttentionConfig], ChunkPrimitives]) -> Callable:
+    def run(config: AttentionConfig, q, k, v, log_g):
+        return chunked_attention(q, k, v, log_g, p=config.p, chunk_size=config.chunk_size,
+                                 primitives=primitives(config))
+    return run
+
+
+def _attention_form(config: AttentionConfig, q, k, v, log_g):
+    return attention_form(q, k, v, log_g, config.p), None
+
+
+def _recurrent_form(config: AttentionConfig, q, k, v, log_g):
+    return recurrent_form(q, k, v, log_g, config.p)
+
+
+# Table order is preference order.
+IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
+    (row.algorithm, row.backend): row for row in (
+        # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
+        Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
+                       platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,
+                       default_chunk_size=pallas_plan.default_chunk_size),
+        Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),
+                       default_on=ANY_PLATFORM, has_state=True,
+                       default_chunk_size=xla.default_chunk_size),
+        Implementation("attention", "reference", _attention_form),
+        Implementation("recurrent", "reference", _recurrent_form, has_state=True),
+    )
+}
+
+# The values of the public `impl=` argument: the backends, in table order.
+IMPLS: tuple[str, ...] = tuple(dict.fromkeys(backend for _, backend in IMPLEMENTATIONS))
+
+
+def available_impls(platform: str | None = None) -> tuple[str, ...]:
+    """Backends usable on `platform` (default: JAX's default backend): defaults first."""
+    platform = platform or jax.default_backend()
+    rows = [row for row in IMPLEMENTATIONS.values() if row.runs_on(platform)]
+    ordered = sorted(rows, key=lambda row: not row.is_default_on(platform))  # stable
+    return tuple(dict.fromkeys(row.backend for row in ordered))
+
+
+def kernel_impls(platform: str | None = None) -> tuple[str, ...]:
+    """Backends of kernel tiers (rows tied to some platforms) that run on `platform`: what the
+    GPU runner checks and the benchmark times by default."""
+    platform = platform or jax.default_backend()
+    return tuple(dict.fromkeys(row.backend for row in IMPLEMENTATIONS.values()
+                               if row.platforms is not ANY_PLATFORM and row.runs_on(platform)))
+
+
+def check_impl(impl: str | None) -> None:
+    """ValueError unless impl is None or a backend of the table."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got impl={impl!r}")
+
+
+def select(impl: str | None, *, need_state: bool = False,
+           platform: str | None = None) -> Implementation:
+    """The row that runs a call: see the module docstring. ValueError naming impl (and the
+    platform) when no row fits."""
+    check_impl(impl)
+    platform = platform or jax.default_backend()
+    for row in IMPLEMENTATIONS.values():
+        chosen = row.is_default_on(platform) if impl is None else row.backend == impl
+        if chosen and row.runs_on(platform) and (row.has_state or not need_state):
+            return row
+    raise ValueError(f"impl={impl!r} is not available on backend {platform!r}"
+                     f"{' for a call that returns the state' if need_state else ''}; "
+                     f"available: {available_impls(platform)}")
+
+
+def lookup(config: AttentionConfig) -> Implementation:
+    """The row a resolved config names."""
+    return IMPLEMENTATIONS[config.algorithm, config.backend]

@@ -1,0 +1,94 @@
+"""The gated prefix sum over chunks of the chunked algorithm: Pallas forward and backward.
+
+One program per (kv head, feature block) walks the chunks sequentially: forward
+P_{n+1} = exp(g_last_n) P_n + S_n (P_0 = 0), returning the state entering each chunk and
+the final one; backward the reverse recursion plus the cotangent of exp(g_last_n). The
+kernels see only F, so they serve any feature layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from sympow.attention.pallas.launch import launch, split_heads
+from sympow.attention.pallas.plan import PrefixPlan
+
+
+def _prefix_fwd_kernel(decay_ref, s_ref, z_ref, s_in_ref, z_in_ref, s_fin_ref, z_fin_ref, *,
+                       n: int):
+    def body(i, carry):  # float32 on chip; s_in in the per-chunk states' dtype
+        s, z = carry
+        s_in_ref[i] = s.astype(s_in_ref.dtype)
+        z_in_ref[i] = z
+        decay = decay_ref[i]
+        return decay * s + s_ref[i].astype(jnp.float32), decay * z + z_ref[i]
+
+    s, z = jax.lax.fori_loop(0, n, body, (jnp.zeros(s_fin_ref.shape, jnp.float32),
+                                          jnp.zeros(z_fin_ref.shape, jnp.float32)))
+    s_fin_ref[...] = s
+    z_fin_ref[...] = z
+
+
+def _prefix_bwd_kernel(decay_ref, s_in_ref, z_in_ref, ds_in_ref, dz_in_ref, ds_fin_ref,
+                       dz_fin_ref, ds_ref, dz_ref, ddecay_ref, *, n: int):
+    def body(it, carry):
+        ds, dz = carry  # the cotangent of P_{i+1}
+        i = n - 1 - it
+        ds_ref[i] = ds.astype(ds_ref.dtype)
+        dz_ref[i] = dz
+        ddecay_ref[i] = (jnp.sum(ds * s_in_ref[i].astype(jnp.float32))
+                         + jnp.sum(dz * z_in_ref[i]))
+        decay = decay_ref[i]
+        return ds_in_ref[i].astype(jnp.float32) + decay * ds, dz_in_ref[i] + decay * dz
+
+    jax.lax.fori_loop(0, n, body, (ds_fin_ref[...], dz_fin_ref[...]))
+
+
+def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int):
+    bf = plan.bf
+    chunks_e = pl.BlockSpec((None, None, n, bf, e), lambda f, bh: (*split_heads(bh, hk), 0, f, 0))
+    chunks_1 = pl.BlockSpec((None, None, n, bf), lambda f, bh: (*split_heads(bh, hk), 0, f))
+    final_e = pl.BlockSpec((None, None, bf, e), lambda f, bh: (*split_heads(bh, hk), f, 0))
+    final_1 = pl.BlockSpec((None, None, bf), lambda f, bh: (*split_heads(bh, hk), f))
+    decay = pl.BlockSpec((None, None, n), lambda f, bh: (*split_heads(bh, hk), 0))
+    return chunks_e, chunks_1, final_e, final_1, decay
+
+
+def prefix_fwd(s, z, decay, plan: PrefixPlan):
+    """(s_in, z_in, s_final, z_final) of the gated exclusive prefix sum; decay = exp(g_last).
+
+    Sums in float32; s_in keeps the dtype of s (the matmul dtype: the query kernels' MMA
+    operand), z_in and the final state are float32.
+    """
+    b, hk, n, f, e = s.shape
+    chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
+    sds = jax.ShapeDtypeStruct
+    return launch(
+        lambda *refs: _prefix_fwd_kernel(*refs, n=n), plan=plan, name="sympow_prefix_sum",
+        grid=(f // plan.bf, b * hk), in_specs=[decay_spec, chunks_e, chunks_1],
+        out_specs=[chunks_e, chunks_1, final_e, final_1],
+        out_shape=[sds(s.shape, s.dtype), sds(z.shape, jnp.float32),
+                   sds((b, hk, f, e), jnp.float32), sds((b, hk, f), jnp.float32)],
+        warps=plan.warps)(decay, s, z)
+
+
+def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan):
+    """(ds, dz, ddecay [B,Hk,N]) of `prefix_fwd` given its residuals and cotangents (ds in
+    the dtype of s_in, like the s it is the cotangent of)."""
+    b, hk, n, f, e = s_in.shape
+    chunks_e, chunks_1, final_e, final_1, decay_spec = _prefix_specs(plan, hk, n, e)
+    n_fb = f // plan.bf
+    sds = jax.ShapeDtypeStruct
+    ds, dz, ddecay = launch(
+        lambda *refs: _prefix_bwd_kernel(*refs, n=n), plan=plan, name="sympow_prefix_sum_bwd",
+        grid=(n_fb, b * hk),
+        in_specs=[decay_spec, chunks_e, chunks_1, chunks_e, chunks_1, final_e, final_1],
+        out_specs=[chunks_e, chunks_1,
+                   pl.BlockSpec((None, None, None, n),
+                                lambda f_, bh: (*split_heads(bh, hk), f_, 0))],
+        out_shape=[sds(s_in.shape, s_in.dtype), sds(z_in.shape, jnp.float32),
+                   sds((b, hk, n_fb, n), jnp.float32)],
+        warps=plan.warps)(decay, s_in, z_in, ds_in, dz_in, ds_fin, dz_fin)
+    return ds, dz, ddecay.sum(axis=2)

@@ -1,0 +1,144 @@
+"""The four primitives of the portable tier, each a `jax.custom_vjp` with named residuals.
+
+Each forward and backward runs Pallas kernels, so the op's public custom_vjp (which
+differentiates the composed chunked forward with jax.vjp) runs kernels only. Inputs are
+already in the kernels' shapes (padded by `primitives.py`) and described by a `Plan`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sympow.attention.pallas import attention_kernels, prefix_kernels, state_kernels
+from sympow.attention.pallas.plan import Plan, PrefixPlan
+
+
+class UpdateResiduals(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+
+
+def _update_log_scale(g, p):
+    return (g[..., -1:] - g) / p  # [B, Hk, N, C], <= 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def update_state(plan: Plan, k, v, g):
+    return _update_fwd(plan, k, v, g)[0]
+
+
+def _update_fwd(plan, k, v, g):
+    s, z = state_kernels.rows_to_state(k, _update_log_scale(g, plan.p), v, None, plan,
+                                      name="sympow_update_state")
+    return (s, z), UpdateResiduals(k, v, g)
+
+
+def _update_bwd(plan, res: UpdateResiduals, cts):
+    ds, dz = cts
+    ls = _update_log_scale(res.g, plan.p)
+    dk, dls = state_kernels.rows_grad(res.k, ls, ds, dz, res.v, None, plan,
+                                     name="sympow_update_state_dk")
+    dv = state_kernels.rows_product(res.k, ls, ds, plan, name="sympow_update_state_dv")
+    dls = dls / plan.p  # ls = (g_last - g) / p
+    return dk, dv, (-dls).at[..., -1].add(dls.sum(axis=-1))
+
+
+update_state.defvjp(_update_fwd, _update_bwd)
+
+
+class PrefixResiduals(NamedTuple):
+    s_in: jax.Array
+    z_in: jax.Array
+    decay: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def prefix_sum(plan: PrefixPlan, s, z, g_last):
+    return _prefix_fwd(plan, s, z, g_last)[0]
+
+
+def _prefix_fwd(plan, s, z, g_last):
+    decay = jnp.exp(g_last)
+    out = prefix_kernels.prefix_fwd(s, z, decay, plan)
+    return out, PrefixResiduals(out[0], out[1], decay)
+
+
+def _prefix_bwd(plan, res: PrefixResiduals, cts):
+    ds, dz, ddecay = prefix_kernels.prefix_bwd(res.s_in, res.z_in, res.decay, *cts, plan)
+    return ds, dz, ddecay * res.decay
+
+
+prefix_sum.defvjp(_prefix_fwd, _prefix_bwd)
+
+
+class AttentionResiduals(NamedTuple):
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    m: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: Plan, q, k, v, g):
+    return attention_kernels.attention_fwd(q, k, v, g, plan)
+
+
+def _attention_fwd(plan, q, k, v, g):
+    o, den, m = attention_kernels.attention_fwd(q, k, v, g, plan)
+    return (o, den, m), AttentionResiduals(q, k, v, g, m)
+
+
+def _attention_bwd(plan, res: AttentionResiduals, cts):
+    do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
+    return attention_kernels.attention_bwd(*res, do, dden, plan)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+class QueryResiduals(NamedTuple):
+    q: jax.Array
+    s_in: jax.Array
+    z_in: jax.Array
+    g: jax.Array
+    o: jax.Array
+    den: jax.Array
+    y: jax.Array
+    c_intra: jax.Array  # w_intra / total per row: y = o c_intra + inter_o c_inter
+    c_inter: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def query_state(plan: Plan, q, s_in, z_in, g, o, den, m):
+    return _query_fwd(plan, q, s_in, z_in, g, o, den, m)[0]
+
+
+def _query_fwd(plan, q, s_in, z_in, g, o, den, m):
+    y, ci, ce = state_kernels.query_rows(q, g / plan.p, s_in, z_in, o, den, m, plan)
+    return y, QueryResiduals(q, s_in, z_in, g, o, den, y, ci, ce)
+
+
+def _query_bwd(plan, res: QueryResiduals, dy):
+    b, hq, n, c, _ = res.q.shape
+    hk = res.g.shape[1]
+    ci, ce = res.c_intra[..., None], res.c_inter[..., None]
+    delta = jnp.sum(dy * res.y, axis=-1, keepdims=True)  # y = num / total: d total = -delta
+    do, dden = dy * ci, (-delta * ci)[..., 0]
+    dm = (ci * (jnp.sum(dy * res.o, axis=-1, keepdims=True) - delta * res.den[..., None]))[..., 0]
+    d_inter_o, d_inter_den = dy * ce, (-delta * ce)[..., 0]
+    ls = res.g / plan.p
+    dq, dls = state_kernels.rows_grad(res.q, ls, res.s_in, res.z_in, d_inter_o, d_inter_den,
+                                     plan, name="sympow_query_state_dq")
+    ds_in, dz_in = state_kernels.rows_to_state(res.q, ls, d_inter_o, d_inter_den, plan,
+                                              name="sympow_query_state_ds")
+    dg = dls.reshape(b, hk, hq // hk, n, c).sum(axis=2) / plan.p
+    return dq, ds_in, dz_in, dg, do, dden, dm
+
+
+query_state.defvjp(_query_fwd, _query_bwd)
