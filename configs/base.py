@@ -2,11 +2,14 @@
 
 Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.a.b=value``):
 
-  variant           'softmax' | 'sympow' | 'gating' | 'conformal'
-                    (sets model.attention, model.gating, model.rotary)
+  variant           the model's ``sympow.layers.PRESETS`` name: 'softmax' | 'sympow' |
+                    'sympow_gating' | 'conformal' (the config arg also takes the aliases of
+                    ``GPTConfig.preset``, e.g. 'gating', and stores the preset name)
   seed              parameter init seed
   num_train_steps   training steps (``--config.num_train_steps=N`` works for every config)
-  model.*           ``sympow.layers.GPTConfig`` fields (dtype names as strings)
+  model.*           ``sympow.layers.GPTConfig`` fields (dtype names as strings): the preset's
+                    attention, gating and rotary, and a ``sympow.layers.SIZES`` entry's
+                    n_layer, n_head, n_kv_head, d_model
   data.path         a LongCrawl64-layout store; default the embedded Austen corpus
                     (``sympow.data.AUSTEN_PATH``); for the real data set
                     ``--config.data.path=/path/to/longcrawl64`` (the folder holding train.zarr
@@ -18,15 +21,16 @@ Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.
   log_every, checkpoint_every, max_checkpoints, keep_checkpoint_period, final_loss_steps
   eval.*            contextwise evaluation defaults: length, num_windows, batch_size
 
-Paper setting (seed 000 section 2; seed 002 section 4): a GPT-2 small (124M) shaped model with
-rotary embeddings and a layernorm after the input embedding, LongCrawl64, 524,288 tokens per
-batch, bf16 mixed precision (params fp32), Adam with learning rate 6e-4 and no schedule.
-Gradient clipping (global norm 1.0) and Adam's betas (0.9, 0.999) are not stated by the papers;
-they are our choices.
+Paper setting (docs/references.md: [sympow] §2; [conformal] §4): a GPT-2 small (124M) shaped
+model (size 'small') with rotary embeddings and a layernorm after the input embedding,
+LongCrawl64, 524,288 tokens per batch, bf16 mixed precision (params fp32), Adam with learning
+rate 6e-4 and no schedule. Gradient clipping (global norm 1.0) and Adam's betas (0.9, 0.999)
+are not stated by the papers; they are our choices.
 
 The config arg (after ``:`` in ``--config configs/x.py:ARG``) is a comma-separated list of
-``key=value`` items and bare words: a variant name, ``runlocal`` (a tiny smoke version that runs
-on a CPU with the embedded corpus in seconds), e.g. ``conformal,p=4,context=1024,runlocal``.
+``key=value`` items and bare words: a variant name, ``runlocal`` (a tiny smoke version, size
+'micro', that runs on a CPU with the embedded corpus in seconds), e.g.
+``conformal,p=4,context=1024,runlocal``.
 """
 
 from __future__ import annotations
@@ -37,31 +41,41 @@ import ml_collections
 from ml_collections import config_dict
 
 from sympow.data import AUSTEN_PATH
+from sympow.layers.model import PRESETS, SIZES, GPTConfig, preset_name
 
-# variant -> GPTConfig fields (seed 002: sympow = fixed rotary; gating adds data-dependent
-# gates (section 3.1); conformal = gating + learned rotary (section 3.3)).
-VARIANTS = {
-    "softmax": {"attention": "softmax", "gating": False, "rotary": "fixed"},
-    "sympow": {"attention": "sympow", "gating": False, "rotary": "fixed"},
-    "gating": {"attention": "sympow", "gating": True, "rotary": "fixed"},
-    "conformal": {"attention": "sympow", "gating": True, "rotary": "learned"},
-}
-GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_kv_head": 12, "d_model": 768}
-TINY = {"n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 64}
-VOCAB_SIZE = 50304  # GPT-2's 50,257 tokens, padded to a multiple of 64
+PAPER_SIZE = "small"  # GPT-2 small: 12 layers, 12 heads, d_model 768
+RUNLOCAL_SIZE = "micro"  # 2 layers, 2 heads, d_model 64: CPU smoke runs
 PAPER_BATCH_TOKENS = 524_288
 PAPER_LEARNING_RATE = 6e-4
-# Seed 003 reports the loss "at the end of training on 400k documents": 400,000 x 65,536 tokens
-# = 26.2B tokens = 50,000 steps of 524,288 tokens, used at every training context.
+# [conformal-article] reports the loss "at the end of training on 400k documents": 400,000 x
+# 65,536 tokens = 26.2B tokens = 50,000 steps of 524,288 tokens, used at every training context.
 SWEEP_STEPS = 50_000
-# Seed 000 reports "relative loss at 100K steps" at context 4096.
+# [sympow] reports "relative loss at 100K steps" at context 4096.
 CONTEXT4096_STEPS = 100_000
+
+
+def variant_name(word: str, what: str = "config arg") -> str:
+    """The preset name of a variant word (aliases such as 'gating' allowed); ValueError else."""
+    try:
+        return preset_name(word)
+    except ValueError:
+        raise ValueError(f"{what}: variant {word!r} not in {sorted(PRESETS)} (or an alias "
+                         "such as 'gating')") from None
+
+
+def _is_variant(word: str) -> bool:
+    try:
+        preset_name(word)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_arg(arg: str | None, **defaults):
     """``'conformal,p=4,runlocal'`` -> dict over ``defaults``' keys (values typed like them).
 
-    Bare words: a variant name sets ``variant``; ``runlocal`` sets ``runlocal=True``.
+    Bare words: a variant name or alias sets ``variant`` (to the preset name); ``runlocal``
+    sets ``runlocal=True``.
     """
     out = dict(defaults)
     for item in (arg or "").split(","):
@@ -70,13 +84,13 @@ def parse_arg(arg: str | None, **defaults):
             continue
         key, sep, text = item.partition("=")
         if not sep:
-            if item in VARIANTS and "variant" in out:
+            if "variant" in out and _is_variant(item):
                 key, value = "variant", item
             elif item in out and isinstance(out[item], bool):
                 key, value = item, True
             else:
                 raise ValueError(f"config arg: unknown word {item!r} in {arg!r} (variants "
-                                 f"{sorted(VARIANTS)}, keys {sorted(out)})")
+                                 f"{sorted(PRESETS)}, keys {sorted(out)})")
         else:
             if key not in out:
                 raise ValueError(f"config arg: unknown key {key!r} in {arg!r} "
@@ -86,18 +100,30 @@ def parse_arg(arg: str | None, **defaults):
             except (ValueError, SyntaxError):
                 value = text
         out[key] = value
-    if "variant" in out and out["variant"] not in VARIANTS:
-        raise ValueError(f"config arg: variant {out['variant']!r} not in {sorted(VARIANTS)}")
+    if "variant" in out:
+        out["variant"] = variant_name(out["variant"])
     if "p" in out and (not isinstance(out["p"], int) or out["p"] <= 0 or out["p"] % 2):
         raise ValueError(f"config arg: p must be a positive even int, got {out['p']!r}")
     return out
 
 
-def model_config(variant: str, p: int, size: dict) -> ml_collections.ConfigDict:
+def size_fields(size: str) -> dict[str, int]:
+    """``config.model`` fields of a ``sympow.layers.SIZES`` entry, n_kv_head explicit (an int,
+    so that ``--config.model.n_kv_head=N`` can override it)."""
+    if size not in SIZES:
+        raise ValueError(f"size: {size!r} not in {sorted(SIZES)}")
+    gpt = GPTConfig(**SIZES[size])
+    return {"n_layer": gpt.n_layer, "n_head": gpt.n_head, "n_kv_head": gpt.kv_heads,
+            "d_model": gpt.d_model}
+
+
+def model_config(variant: str, p: int, size: str) -> ml_collections.ConfigDict:
+    """``config.model``: ``GPTConfig.preset(variant, size, p=p)`` as GPTConfig fields, with bf16
+    compute over fp32 parameters and chunk_size / impl left to ``sympow.sympow_attention``."""
     return ml_collections.ConfigDict({
-        "vocab_size": VOCAB_SIZE,
-        **size,
-        **VARIANTS[variant],
+        "vocab_size": GPTConfig.vocab_size,  # 50304: GPT-2's 50,257 tokens padded to 64
+        **size_fields(size),
+        **PRESETS[variant_name(variant)],
         "p": p,
         "chunk_size": config_dict.placeholder(int),
         "impl": config_dict.placeholder(str),
@@ -108,15 +134,16 @@ def model_config(variant: str, p: int, size: dict) -> ml_collections.ConfigDict:
 
 def get_base_config(*, variant: str = "conformal", p: int = 2, context_size: int = 4096,
                     batch_tokens: int = PAPER_BATCH_TOKENS, num_train_steps: int = 100_000,
-                    size: dict | None = None, runlocal: bool = False) -> ml_collections.ConfigDict:
-    """The paper setup at ``context_size`` (docs_per_batch = batch_tokens / context_size)."""
+                    size: str = PAPER_SIZE, runlocal: bool = False) -> ml_collections.ConfigDict:
+    """The paper setup at ``context_size`` (docs_per_batch = batch_tokens / context_size) for
+    the preset ``variant`` at the ``sympow.layers.SIZES`` entry ``size``."""
     if batch_tokens % context_size:
         raise ValueError(f"batch_tokens {batch_tokens} is not a multiple of {context_size}")
     config = ml_collections.ConfigDict()
-    config.variant = variant
+    config.variant = variant_name(variant)
     config.seed = 0
     config.num_train_steps = num_train_steps
-    config.model = model_config(variant, p, size or GPT2_SMALL)
+    config.model = model_config(variant, p, size)
     config.data = ml_collections.ConfigDict({
         "path": str(AUSTEN_PATH),
         "context_size": context_size,
@@ -154,7 +181,7 @@ def get_base_config(*, variant: str = "conformal", p: int = 2, context_size: int
 
 def make_runlocal(config: ml_collections.ConfigDict, context_size: int | None = None):
     """Shrinks a config in place to a seconds-long CPU smoke run on the embedded corpus."""
-    config.model.update(TINY)
+    config.model.update(size_fields(RUNLOCAL_SIZE))
     config.data.path = str(AUSTEN_PATH)
     config.data.context_size = context_size or min(int(config.data.context_size), 256)
     config.data.docs_per_batch = 4
@@ -169,8 +196,8 @@ def make_runlocal(config: ml_collections.ConfigDict, context_size: int | None = 
 
 
 def context_sweep_config(arg: str | None, *, p: int, default_context: int):
-    """One run of a training-context sweep (seed 002 section 4.1/4.2): GPT-2 small, p, context
-    T, 524,288 tokens per batch, SWEEP_STEPS steps, held-out eval at the training context."""
+    """One run of a training-context sweep ([conformal] §4.1/§4.2): GPT-2 small, p, context T,
+    524,288 tokens per batch, SWEEP_STEPS steps, held-out eval at the training context."""
     args = parse_arg(arg, variant="conformal", context=default_context, steps=SWEEP_STEPS,
                      runlocal=False)
     config = get_base_config(variant=args["variant"], p=p, context_size=args["context"],
@@ -193,12 +220,9 @@ def _split_list(value, cast):
 def context_sweep(arg: str | None, get_config, *, contexts, local_contexts):
     """Configs of every (variant, context) of a sweep; arg: ``variants=a+b``,
     ``contexts=256+512``, ``steps=N``, ``runlocal`` (tiny models on ``local_contexts``)."""
-    args = parse_arg(arg, variants="softmax+sympow+gating+conformal", contexts="", steps=0,
-                     runlocal=False)
-    variants = _split_list(args["variants"], str)
-    for v in variants:
-        if v not in VARIANTS:
-            raise ValueError(f"sweep arg: variant {v!r} not in {sorted(VARIANTS)}")
+    args = parse_arg(arg, variants="softmax+sympow+sympow_gating+conformal", contexts="",
+                     steps=0, runlocal=False)
+    variants = [variant_name(v, "sweep arg") for v in _split_list(args["variants"], str)]
     default = local_contexts if args["runlocal"] else contexts
     ctxs = _split_list(args["contexts"], int) if args["contexts"] else list(default)
     extra = (",runlocal" if args["runlocal"] else "") + (

@@ -1,16 +1,17 @@
-"""Contextwise loss beyond the training context: seed 002 Figure 2 (seed 003, section 1).
+"""Contextwise loss beyond the training context: [conformal] Figure 2 (and the
+introduction of [conformal-article]).
 
 GPT-2 small at p = 4 (the p = 4 sweep is the one that reaches 16384), training context 16384
 (32 x 16384 = 524,288 tokens per batch), 50,000 steps, then the mean held-out loss at every
-position of 65,536-token windows. Arg: variant (sympow | gating | conformal | softmax; default
-conformal), ``p=N``, ``steps=N``, ``runlocal``.
+position of 65,536-token windows. Arg: variant (sympow | sympow_gating, alias gating |
+conformal | softmax; default conformal), ``p=N``, ``steps=N``, ``runlocal``.
 
-    for v in sympow gating conformal; do
+    for v in sympow sympow_gating conformal; do
       python experiments/train.py --config configs/contextwise_16k.py:$v \
           --workdir runs/ctx16k/$v --config.data.path=/path/to/longcrawl64
     done
     python experiments/evaluate.py --workdir runs/ctx16k/conformal \
-        --compare runs/ctx16k/sympow,runs/ctx16k/gating --length 65536
+        --compare runs/ctx16k/sympow,runs/ctx16k/sympow_gating --length 65536
 
 Expected result: sympow's loss falls with position up to 16384 and rises sharply beyond it
 (no length generalization); sympow+gating keeps falling or stays flat past 16384, and

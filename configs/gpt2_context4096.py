@@ -1,9 +1,9 @@
-"""Sympow vs softmax at context 4096: seed 000, section 4 (the p table) and section 2.
+"""Sympow vs softmax at context 4096: [sympow] §4 (the p table) and §2 (docs/references.md).
 
 GPT-2 small (12 layers, 12 heads, d_model 768, rotary, layernorm after the embedding),
 context 4096, 128 documents x 4096 = 524,288 tokens per batch, Adam 6e-4 constant, bf16
-compute, 100,000 steps, LongCrawl64. Arg: variant (softmax | sympow | gating | conformal;
-default sympow) and ``p=2|4|6`` (default 4), ``steps=N``, ``runlocal``.
+compute, 100,000 steps, LongCrawl64. Arg: variant (softmax | sympow | sympow_gating, alias
+gating | conformal; default sympow) and ``p=2|4|6`` (default 4), ``steps=N``, ``runlocal``.
 
     python experiments/train.py --config configs/gpt2_context4096.py:softmax \
         --workdir runs/ctx4096/softmax --config.data.path=/path/to/longcrawl64
@@ -12,7 +12,7 @@ default sympow) and ``p=2|4|6`` (default 4), ``steps=N``, ``runlocal``.
           --workdir runs/ctx4096/sympow_p$p --config.data.path=/path/to/longcrawl64
     done
 
-Expected result (seed 000, "relative loss at 100K steps", sympow / softmax): p = 2: 1.03x,
+Expected result ([sympow], "relative loss at 100K steps", sympow / softmax): p = 2: 1.03x,
 p = 4: 0.98x, p = 6: 0.97x (p = 4 matches the baseline with a 14 GB state). Needs a node of
 8 H100-class GPUs; add ``--config.microbatches=2`` (or more) if a step does not fit.
 CPU smoke: ``--config configs/gpt2_context4096.py:sympow,runlocal``.

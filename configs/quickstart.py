@@ -1,8 +1,9 @@
 """Quickstart: a tiny GPT that visibly learns on the embedded Jane Austen corpus on a CPU.
 
-2 layers, d_model 128, 4 heads (head dim 32), p = 2, training context 256, 4 documents x 256
-tokens = 1,024 tokens per step, 200 steps of Adam at 3e-3 after a 20-step warmup (the tiny
-model and short run want a larger step than the papers' 6e-4), bf16 compute. Data: the
+2 layers, d_model 128, 4 heads (head dim 32; the size 'tiny' of ``sympow.layers.SIZES``),
+p = 2, training context 256, 4 documents x 256 tokens = 1,024 tokens per step, 200 steps of
+Adam at 3e-3 after a 20-step warmup (the tiny model and short run want a larger step than the
+papers' 6e-4), bf16 compute. Data: the
 embedded corpus ``sympow.data.AUSTEN_PATH``. Evaluation: 16 held-out windows of 2,048 tokens.
 
 Launch (the ``make demo`` job; experiments/demo.sh also evaluates and plots):
@@ -10,8 +11,8 @@ Launch (the ``make demo`` job; experiments/demo.sh also evaluates and plots):
     python experiments/train.py --config configs/quickstart.py --workdir runs/quickstart
     python experiments/evaluate.py --workdir runs/quickstart
 
-Arg: a variant (softmax | sympow | gating | conformal; default conformal), ``p=4``,
-``context=N``, ``steps=N``, ``runlocal`` (a ~20-step smoke run), e.g.
+Arg: a variant (softmax | sympow | sympow_gating, alias gating | conformal; default
+conformal), ``p=4``, ``context=N``, ``steps=N``, ``runlocal`` (a ~20-step smoke run), e.g.
 ``--config configs/quickstart.py:softmax,steps=100``.
 
 Expected result (2-core CPU, jax 0.10.2; deterministic, so the numbers repeat exactly): the
@@ -30,8 +31,7 @@ def get_config(arg: str | None = None):
     args = base.parse_arg(arg, variant="conformal", p=2, context=256, steps=200, runlocal=False)
     config = base.get_base_config(
         variant=args["variant"], p=args["p"], context_size=args["context"],
-        batch_tokens=4 * args["context"], num_train_steps=args["steps"],
-        size={"n_layer": 2, "n_head": 4, "n_kv_head": 4, "d_model": 128})
+        batch_tokens=4 * args["context"], num_train_steps=args["steps"], size="tiny")
     config.optim.learning_rate = 3e-3
     config.optim.warmup_steps = 20
     config.log_every = 10

@@ -1,9 +1,10 @@
-"""Training-context sweep at p = 4: seed 002 Figure 1(a) and Figure 3 (seed 003, section 1).
+"""Training-context sweep at p = 4: [conformal] Figure 1(a), Figure 3 (and the
+introduction of [conformal-article]).
 
 GPT-2 small (12 layers, 12 heads, d_model 768) with softmax / sympow / sympow+gating /
 conformal-sympow attention at p = 4, training contexts 1024, 2048, ..., 65536, 524,288 tokens
 per batch (512 x 1024 ... 8 x 65536), Adam 6e-4 constant, bf16 compute, 50,000 steps each
-(seed 003's "400k documents" = 26.2B tokens), LongCrawl64.
+([conformal-article]'s "400k documents" = 26.2B tokens), LongCrawl64.
 
 Whole sweep (one command; trains + evaluates every run, writes sweep.csv and sweep.png):
 
@@ -16,10 +17,12 @@ One run:
         --workdir runs/sweep_p4/sympow_p4_ctx16384 --config.data.path=/path/to/longcrawl64
 
 get_config arg: variant, ``context=T``, ``steps=N``, ``runlocal``. get_sweep arg:
-``variants=softmax+conformal``, ``contexts=1024+4096``, ``steps=N``, ``runlocal`` (tiny models,
-contexts 64, 128, 256, 20 steps, the embedded corpus: a CPU smoke test of the whole pipeline).
+``variants=softmax+conformal`` (default all four presets; run folders are named
+``<preset>_p<p>_ctx<T>``, e.g. ``sympow_gating_p4_ctx4096``), ``contexts=1024+4096``,
+``steps=N``, ``runlocal`` (tiny models, contexts 64, 128, 256, 20 steps, the embedded corpus: a
+CPU smoke test of the whole pipeline). Citation keys: docs/references.md.
 
-Expected result (seed 002 Figure 1a): final loss vs training context: sympow degrades relative
+Expected result ([conformal] Figure 1a): final loss vs training context: sympow degrades relative
 to softmax as the context grows (mildly at p = 4); sympow+gating closes the gap and
 conformal-sympow is lowest, with no degradation up to 65536. Needs 8 H100-class GPUs
 (the papers used one node of 8 H100s per run); not reproducible on the embedded corpus, whose

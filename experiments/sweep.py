@@ -4,7 +4,8 @@
 Trains every run of the sweep file's ``get_sweep(arg)`` (one variant x training context each,
 in WORKDIR/<variant>_p<p>_ctx<T>; finished runs are skipped, interrupted ones resumed),
 evaluates each on held-out windows of its training context, and writes WORKDIR/sweep.csv and
-WORKDIR/sweep.png (final loss vs training context, one line per variant; seed 002 Figure 1).
+WORKDIR/sweep.png (final loss vs training context, one line per variant; [conformal] Figure 1
+in docs/references.md).
 
     --set key=value          override a field of every run's config (repeatable), e.g.
                              --set data.path=/path/to/longcrawl64

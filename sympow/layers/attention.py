@@ -6,12 +6,12 @@ D = E = d_model // n_head, projections `nn.Linear` WITH bias (GPT-2 style: c_att
 have biases), q, k and v projected separately (the parameter count equals GPT-2's fused
 c_attn when n_kv_head == n_head).
 
-Gating (seed 002 section 3.1): gamma_i = sigmoid(W_gamma x_i + b_gamma), one scalar per
+Gating ([conformal] §3.1): gamma_i = sigmoid(W_gamma x_i + b_gamma), one scalar per
 key/value head, passed to the kernels as log_g = log_sigmoid(.) <= 0. The bias starts at
 +5 (gamma ~ 0.9933, a memory of ~150 tokens) so a fresh model starts close to ungated
 sympow and learns to forget; W_gamma starts like the other projections (normal, std 0.02).
 
-Rotary (seed 002 A.1.2 and section 3.2): 'fixed' uses mu_i = i; 'learned' uses
+Rotary ([conformal] §A.1.2 and §3.2): 'fixed' uses mu_i = i; 'learned' uses
 mu_i = mu_{i-1} + beta_i, beta_i = 1 + tanh(W_beta x_i), one scalar per key/value head,
 broadcast to that head's query group (a query and the keys it reads must share mu for the
 score to depend on mu_i - mu_j only, so beta cannot be per query head). W_beta has no bias
@@ -33,9 +33,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-import sympow
-from sympow.attention import IMPLS, SympowState
+from sympow.attention import (
+    SympowState,
+    check_settings,
+    decode_step,
+    init_state,
+    prefill,
+    sympow_attention,
+)
 from sympow.numerics import compute_dtype
+from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
            "KVCache", "GATE_BIAS_INIT"]
@@ -128,17 +135,17 @@ class Rotary(nnx.Module):
         """
         if self.kind == "none":
             return q, k, None
-        theta = sympow.rotary_rates(self.head_dim, self.base)  # [D/2]
+        theta = rotary_rates(self.head_dim, self.base)  # [D/2]
         b, t, hq, d = q.shape
         hk = k.shape[2]
         if self.kind == "fixed":
             positions = position + jnp.arange(t)
-            angles = sympow.fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
-            return sympow.apply_rotary(q, angles), sympow.apply_rotary(k, angles), None
+            angles = fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
+            return apply_rotary(q, angles), apply_rotary(k, angles), None
         beta = 1.0 + jnp.tanh(self.beta_proj(x))  # [B, T, Hk]
-        angles, mu = sympow.learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
-        q = sympow.apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
-        return q.reshape(b, t, hq, d), sympow.apply_rotary(k, angles), mu[:, -1]
+        angles, mu = learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
+        q = apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
+        return q.reshape(b, t, hq, d), apply_rotary(k, angles), mu[:, -1]
 
 
 class _Attention(nnx.Module):
@@ -194,7 +201,7 @@ class _Attention(nnx.Module):
 
 
 class SympowAttention(_Attention):
-    """Causal symmetric power attention (seed 002): sympow, +gating, conformal-sympow.
+    """Causal symmetric power attention ([conformal]): sympow, +gating, conformal-sympow.
 
     Extra args over the shared ones (see `_Attention`): p (even power), chunk_size and impl
     (passed to `sympow.sympow_attention`; None = choose), gating (data-dependent gate).
@@ -205,19 +212,13 @@ class SympowAttention(_Attention):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *, p: int = 2,
                  chunk_size: int | None = None, impl: str | None = None, rngs: nnx.Rngs,
                  **kwargs):
-        if not isinstance(p, int) or isinstance(p, bool) or p < 2 or p % 2:
-            raise ValueError(f"p must be a positive even int, got p={p!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive int or None, got "
-                             f"chunk_size={chunk_size!r}")
-        if impl is not None and impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS} or None, got impl={impl!r}")
+        check_settings(p=p, chunk_size=chunk_size, impl=impl)
         super().__init__(d_model, n_head, n_kv_head, rngs=rngs, **kwargs)
         self.p, self.chunk_size, self.impl = p, chunk_size, impl
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         q, k, v, log_g, _ = self.project(x)
-        y = sympow.sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
+        y = sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                                     impl=self.impl)  # [B, T, Hq, E]
         return self.merge_heads(y)
 
@@ -226,7 +227,7 @@ class SympowAttention(_Attention):
         """Chunked forward over a prompt and the recurrent cache after it (max_length unused)."""
         del max_length
         q, k, v, log_g, mu = self.project(x)
-        y, state = sympow.prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
+        y, state = prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                                   impl=self.impl)
         return self.merge_heads(y), SympowCache(state, mu)
 
@@ -234,7 +235,7 @@ class SympowAttention(_Attention):
                ) -> tuple[Float[Array, "B 1 C"], SympowCache]:
         """One token at index `position`, O(F E) per head whatever the context length."""
         q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
-        state, y = sympow.decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
+        state, y = decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
                                       None if log_g is None else log_g[:, 0], p=self.p)
         return self.merge_heads(y[:, None]), SympowCache(state, mu)
 
@@ -242,7 +243,7 @@ class SympowAttention(_Attention):
         """An empty cache (no context); the state is float32 (float64 for float64 compute)."""
         del max_length
         dtype = compute_dtype(self.dtype)
-        state = sympow.init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p,
+        state = init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p,
                                   dtype=dtype)
         mu = jnp.zeros((batch, self.n_kv_head), jnp.float32)
         return SympowCache(state, mu if self.rotary.kind == "learned" else None)

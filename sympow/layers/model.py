@@ -1,8 +1,8 @@
 """GPT-2 style language model with softmax, sympow or conformal-sympow attention.
 
-The architecture of seed 002 section 4: GPT-2 (pre-LN blocks, 4x GELU MLP, biases, output
-head tied to the token embedding) with rotary instead of a position embedding table and an
-extra LayerNorm after the token embedding.
+The architecture of [conformal] §4 (docs/references.md): GPT-2 (pre-LN blocks, 4x GELU MLP,
+biases, output head tied to the token embedding) with rotary instead of a position embedding
+table and an extra LayerNorm after the token embedding.
 
     model = GPT(GPTConfig.preset("conformal", size="small", p=4), rngs=nnx.Rngs(0))
     logits = model(tokens)                       # int [B, T] -> float32 [B, T, vocab]
@@ -20,31 +20,44 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-import sympow
+from sympow import embedding
 from sympow.layers import decode
 from sympow.layers.attention import SoftmaxAttention, SympowAttention
 from sympow.numerics import compute_dtype
 
-__all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report"]
+__all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report",
+           "preset_name"]
 
 ATTENTION_KINDS = ("softmax", "sympow")
 
-# The four variants of seeds 002/003. All use rotary (fixed unless learned), as in the papers.
+# The four variants of [conformal] and [conformal-article] (docs/references.md): the one table
+# of them (configs name these presets). All use rotary (fixed unless learned), as in the papers.
 PRESETS: dict[str, dict[str, Any]] = {
     "softmax": dict(attention="softmax", gating=False, rotary="fixed"),
     "sympow": dict(attention="sympow", gating=False, rotary="fixed"),
     "sympow_gating": dict(attention="sympow", gating=True, rotary="fixed"),
     "conformal": dict(attention="sympow", gating=True, rotary="learned"),
 }
-_ALIASES = {"sympow+gating": "sympow_gating", "conformal-sympow": "conformal",
-            "conformal_sympow": "conformal"}
+# Other spellings users type (experiment config args say "gating"), to the preset names.
+_ALIASES = {"gating": "sympow_gating", "sympow+gating": "sympow_gating",
+            "conformal-sympow": "conformal", "conformal_sympow": "conformal"}
 
 # Model sizes; 'small' is GPT-2 small (124M with vocab 50304, the padded GPT-2 vocabulary).
+# 'micro' is the CPU smoke-test model of the experiment configs' ``runlocal``.
 SIZES: dict[str, dict[str, int]] = {
+    "micro": dict(n_layer=2, n_head=2, d_model=64),
     "tiny": dict(n_layer=2, n_head=4, d_model=128),
     "small": dict(n_layer=12, n_head=12, d_model=768),
     "medium": dict(n_layer=24, n_head=16, d_model=1024),
 }
+
+
+def preset_name(variant: str) -> str:
+    """The ``PRESETS`` key of a variant name or alias (e.g. 'gating' -> 'sympow_gating')."""
+    name = _ALIASES.get(variant, variant)
+    if name not in PRESETS:
+        raise ValueError(f"variant must be one of {tuple(PRESETS)}, got {variant!r}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +105,10 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, variant: str, size: str = "small", **overrides) -> GPTConfig:
-        """A named variant ('softmax' | 'sympow' | 'sympow_gating' | 'conformal') at a size
-        ('tiny' | 'small' | 'medium'), with any field overridden."""
-        variant = _ALIASES.get(variant, variant)
-        if variant not in PRESETS:
-            raise ValueError(f"variant must be one of {tuple(PRESETS)}, got {variant!r}")
+        """A named variant ('softmax' | 'sympow' | 'sympow_gating' | 'conformal', or an alias
+        of `preset_name`) at a size ('micro' | 'tiny' | 'small' | 'medium'), with any field
+        overridden."""
+        variant = preset_name(variant)
         if size not in SIZES:
             raise ValueError(f"size must be one of {tuple(SIZES)}, got size={size!r}")
         return cls(**{**SIZES[size], **PRESETS[variant], **overrides})
@@ -219,15 +231,16 @@ def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None
 
     sympow: S and Z of every layer and key/value head, via `sympow.state_bytes`
       (independent of the context); bytes_per_number None = as stored (4: float32, or 8
-      in float64 compute). bytes_per_number=2 reproduces the seed tables (39 MB for GPT-2
-      small at p=2). Learned rotary's mu (Hk floats per layer) is not counted.
+      in float64 compute). bytes_per_number=2 reproduces the state-size table of
+      [sympow] §4 (39 MB for GPT-2 small at p=2). Learned rotary's mu (Hk floats per layer)
+      is not counted.
     softmax: the KV cache, n_layer * context * Hk * 2 D numbers, context None =
       config.max_length; bytes_per_number None = the compute dtype's.
     """
     d, hk = config.head_dim, config.kv_heads
     if config.attention == "sympow":
         per_number = bytes_per_number or compute_dtype(jnp.dtype(config.dtype)).itemsize
-        return batch * sympow.state_bytes(d, config.p, e=d, layers=config.n_layer, heads=hk,
+        return batch * embedding.state_bytes(d, config.p, e=d, layers=config.n_layer, heads=hk,
                                           bytes_per_number=per_number)
     context = config.max_length if context is None else context
     per_number = bytes_per_number or jnp.dtype(config.dtype).itemsize

@@ -9,6 +9,7 @@
 - ``metrics``: ``metrics.jsonl``, TensorBoard event files, progress bar.
 - ``trainer``: ``train(config, workdir)`` -- data parallel, exact resume, safe interruption.
 - ``evaluation``: contextwise loss of checkpoints, CSV and PNG.
+- ``tables``: the CSV format of evaluation and sweep tables.
 - ``sweep``: train + evaluate across training contexts, the final-loss-vs-context figure.
 
 Imports of this package are light; the submodules pull in orbax, matplotlib and the layers.
@@ -17,4 +18,4 @@ Imports of this package are light; the submodules pull in orbax, matplotlib and 
 from __future__ import annotations
 
 __all__ = ["checkpoint", "config", "data", "evaluation", "metrics", "model", "optim", "steps",
-           "sweep", "trainer"]
+           "sweep", "tables", "trainer"]

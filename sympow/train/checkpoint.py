@@ -37,7 +37,7 @@ class Checkpointer:
       directory: the checkpoints folder (created).
       max_to_keep: newest checkpoints kept (None: all).
       keep_period: also keep every step that is a multiple of this (None: no extra).
-      async_save: write in a background thread (``wait`` or ``close`` to finish).
+      async_save: write in a background thread (``close`` waits for it to finish).
       read_only: open an existing folder for restoring only (no retention, no creation).
     """
 
@@ -82,9 +82,6 @@ class Checkpointer:
             model=ocp.args.StandardRestore(model), train=ocp.args.StandardRestore(train),
             meta=ocp.args.JsonRestore()))
         return {**out["model"], **out["train"]}, dict(out["meta"])
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

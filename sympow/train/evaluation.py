@@ -9,7 +9,6 @@ summed over windows on the host in float64.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -24,6 +23,7 @@ import numpy as np
 from sympow.data import LongCrawl64
 from sympow.train import config as configlib
 from sympow.train import data as datalib
+from sympow.train import tables
 from sympow.train.checkpoint import Checkpointer, checkpoint_dir, with_sharding
 from sympow.train.model import ModelDef, model_def
 from sympow.train.steps import make_contextwise_fn
@@ -157,23 +157,17 @@ def evaluate_workdir(workdir, steps: str | Sequence[int] | None = "latest", *,
 
 def write_csv(path: str | os.PathLike, curves: Sequence[Curve]) -> Path:
     """``position,<label>,...``: one row per position 1..max L (empty past a curve's end)."""
-    path = Path(path)
     n = max(len(c.losses) for c in curves)
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["position", *[c.label for c in curves]])
-        for i in range(n):
-            w.writerow([i + 1, *[f"{c.losses[i]:.6f}" if i < len(c.losses) else ""
-                                 for c in curves]])
-    return path
+    rows = ([i + 1, *[float(c.losses[i]) if i < len(c.losses) else None for c in curves]]
+            for i in range(n))
+    return tables.write_csv(path, ["position", *[c.label for c in curves]], rows)
 
 
 def read_csv(path: str | os.PathLike) -> list[Curve]:
-    with Path(path).open() as f:
-        rows = list(csv.reader(f))
-    labels, body = rows[0][1:], rows[1:]
+    """The curves of a ``write_csv`` file (labels and losses; num_windows unknown: 0)."""
+    header, body = tables.read_csv(path)
     return [Curve(label, np.asarray([float(r[j + 1]) for r in body if r[j + 1] != ""]), 0)
-            for j, label in enumerate(labels)]
+            for j, label in enumerate(header[1:])]
 
 
 def write_json(path: str | os.PathLike, curves: Sequence[Curve]) -> Path:

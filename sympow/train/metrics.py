@@ -106,10 +106,6 @@ class MetricsWriter:
             for key, value in scalars.items():
                 self._tb.add_scalar(f"{prefix}/{key}", float(value), int(step))
 
-    def flush(self) -> None:
-        if self.enabled and self._tb is not None:
-            self._tb.flush()
-
     def close(self) -> None:
         if not self.enabled:
             return

@@ -35,11 +35,6 @@ def gpt_config(model: Mapping[str, Any]):
     return GPTConfig(**kwargs)
 
 
-def build_model(model: Mapping[str, Any], seed: int = 0):
-    """A freshly initialized ``GPT`` (eagerly; use ``init_model_state`` for sharded init)."""
-    return GPT(gpt_config(model), rngs=nnx.Rngs(seed))
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
     """The static half of a model: its graph definition and abstract (params, rest) states.

@@ -1,7 +1,7 @@
 """Optimizer: Adam(W) with global-norm gradient clipping and an optional schedule.
 
-The papers' setting (seed 000 section 2, seed 002 section 4) is Adam with learning rate 6e-4
-and no schedule; ``schedule='cosine'`` (linear warmup then cosine decay to
+The papers' setting (docs/references.md: [sympow] §2, [conformal] §4) is Adam with learning
+rate 6e-4 and no schedule; ``schedule='cosine'`` (linear warmup then cosine decay to
 ``min_lr_ratio * learning_rate``) and a linear warmup on the constant schedule are available.
 """
 

@@ -2,14 +2,15 @@
 
 A sweep file is a config file with ``get_sweep(arg) -> list[ConfigDict]`` (one training config
 per run; see ``configs/sweep_p4.py``). ``run_sweep`` trains each run in
-``<workdir>/<variant>_ctx<T>`` (resuming unfinished ones, skipping finished ones), evaluates its
-held-out loss at the training context, and writes ``sweep.csv`` and ``sweep.png``: final loss
-vs training context, one line per variant (seed 002, Figure 1).
+``<workdir>/<variant>_p<p>_ctx<T>`` (no ``_p<p>`` for softmax; ``variant`` is the config's
+preset name, e.g. ``sympow_gating_p2_ctx1024``), resuming unfinished ones and skipping finished
+ones, evaluates its held-out loss at the training context, and writes ``sweep.csv`` and
+``sweep.png``: final loss vs training context, one line per variant ([conformal] Figure 1;
+docs/references.md).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sympow.train import config as configlib
+from sympow.train import tables
 from sympow.train.evaluation import evaluate_workdir
 from sympow.train.trainer import SUMMARY_FILE, train
 
@@ -97,18 +99,15 @@ def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str]
     return rows
 
 
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    with Path(path).open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
-    return Path(path)
+def write_csv(path: str | os.PathLike, rows: list[dict]) -> Path:
+    """``sweep.csv``: one row per run, columns ``FIELDS``."""
+    return tables.write_csv(path, FIELDS, ([row[k] for k in FIELDS] for row in rows))
 
 
 def read_csv(path: str | os.PathLike) -> list[dict]:
-    with Path(path).open() as f:
-        rows = list(csv.DictReader(f))
+    """The rows of a ``write_csv`` file, with int and float columns typed back."""
+    header, body = tables.read_csv(path)
+    rows = [dict(zip(header, r, strict=True)) for r in body]
     for row in rows:
         for key in ("p", "context", "steps"):
             row[key] = int(row[key])

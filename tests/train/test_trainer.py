@@ -1,7 +1,5 @@
-"""Training: one step per variant, learning, exact resume after SIGKILL, data parallelism.
-
-Tiny models (1-2 layers, d_model 32-64, contexts 32-128) on the embedded Austen store keep the
-suite to about two minutes on a 2-core CPU; most of that is XLA compiling the steps.
+"""sympow.train.trainer: one step per variant, learning, exact resume after SIGKILL, data
+parallelism, graceful stops.
 
 Kill-and-resume uses a real crash: ``experiments/train.py`` runs in a subprocess and gets
 SIGKILL as soon as its first periodic checkpoint is on disk, so nothing but what the checkpoint
@@ -19,34 +17,23 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sympow.train import config as configlib
-from sympow.train import data as datalib
-from sympow.train.metrics import final_loss, read_metrics
-from sympow.train.trainer import StopRequest, stop_after, train
+from sympow.train.metrics import read_metrics
+from sympow.train.trainer import StopRequest, stop_after, summary_line, train
+from tests.train.helpers import (
+    QUICKSTART,
+    REF_OVERRIDES,
+    REF_SPEC,
+    ROOT,
+    losses,
+    tiny_config,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / "experiments" / "train.py"
-QUICKSTART = str(ROOT / "configs" / "quickstart.py")
-
-# A tiny fp32 softmax run: the reference for resume and data parallelism (fp32 compute keeps
-# the 1- vs 4-device comparison at float32 reassociation error).
-REF_SPEC = f"{QUICKSTART}:softmax,runlocal"
-REF_OVERRIDES = ["model.n_layer=1", "model.d_model=32", "model.dtype=float32",
-                 "data.context_size=32", "data.docs_per_batch=4", "num_train_steps=12",
-                 "log_every=1", "checkpoint_every=3", "optim.warmup_steps=0"]
-
-
-def tiny_config(spec: str = REF_SPEC, overrides=(), base=REF_OVERRIDES):
-    return configlib.load_config(spec, [*base, *overrides])
-
-
-def losses(workdir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(workdir)}
 
 
 def cli(config_spec: str, overrides, workdir, **popen):
@@ -65,8 +52,11 @@ def reference(tmp_path_factory):
     return workdir
 
 
-@pytest.mark.parametrize("variant", ["softmax", "sympow", "gating", "conformal"])
-def test_one_step_each_variant(variant, tmp_path):
+# The config arg's words and the preset names the config stores (docs/experiments.md).
+@pytest.mark.parametrize("variant, preset", [("softmax", "softmax"), ("sympow", "sympow"),
+                                             ("gating", "sympow_gating"),
+                                             ("conformal", "conformal")])
+def test_one_step_each_variant(variant, preset, tmp_path):
     config = tiny_config(f"{QUICKSTART}:{variant},runlocal",
                          ["num_train_steps=1", "model.dtype=bfloat16"])
     summary = train(config, tmp_path, progress=False)
@@ -76,7 +66,7 @@ def test_one_step_each_variant(variant, tmp_path):
     assert 10.0 < record["loss"] < 11.5  # ~ln(50304) = 10.83 at init
     assert np.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
     saved = configlib.load_workdir_config(tmp_path)
-    assert saved.variant == variant and saved.model.attention == config.model.attention
+    assert saved.variant == preset and saved.model.attention == config.model.attention
     assert (tmp_path / "checkpoints" / "1").is_dir()  # saved at exit
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -151,64 +141,22 @@ def test_stop_request_catches_sigterm():
     assert signal.getsignal(signal.SIGTERM) is not stop._handle
 
 
-def test_train_batches_wrap_and_resume_positions():
-    ds = datalib.open_loader(tiny_config().data, "train", 4, 16384)  # 2 blocks x 4 windows
-    assert len(ds) == 8
-    steps = [k for k, _, _ in datalib.train_batches(ds, 6, 19)]
-    assert steps == list(range(6, 19))
-    (_, x, y), = [b for b in datalib.train_batches(ds, 13, 14)]
-    np.testing.assert_array_equal(x, ds[13 % 8][0])
-    np.testing.assert_array_equal(y, ds[13 % 8][1])
+
+def test_invalid_config_raises_before_training(tmp_path):
+    for override, match in (("num_train_steps=-1", "num_train_steps: need >= 0"),
+                            ("log_every=0", "log_every: need a positive int"),
+                            ("checkpoint_every=0", "checkpoint_every: need a positive int")):
+        with pytest.raises(ValueError, match=match):
+            train(tiny_config(overrides=[override]), tmp_path, progress=False)
+    assert not (tmp_path / "config.json").exists()  # nothing written
 
 
-def test_divisibility_and_data_errors():
-    mesh = datalib.make_mesh()
-    datalib.check_divisible(4, mesh, 2)
-    with pytest.raises(ValueError, match="docs_per_batch"):
-        datalib.check_divisible(3, mesh, 2)
-    config = configlib.load_config(f"{ROOT / 'configs' / 'sweep_p2.py'}:softmax")
-    with pytest.raises(ValueError, match="runlocal"):  # 512 docs > the 11 of Austen
-        datalib.open_loader(config.data, "train", 512, 1024)
-
-
-def test_config_args_and_overrides():
-    config = configlib.load_config(f"{QUICKSTART}:gating,p=4,context=128",
-                                   ["optim.learning_rate=1e-3", "num_train_steps=7",
-                                    "data.path=/somewhere/else"])
-    assert (config.variant, config.model.p, config.model.gating, config.model.rotary) == (
-        "gating", 4, True, "fixed")
-    assert config.data.context_size == 128 and config.num_train_steps == 7
-    assert config.optim.learning_rate == 1e-3 and config.data.path == "/somewhere/else"
-    with pytest.raises(ValueError, match="unknown word"):
-        configlib.load_config(f"{QUICKSTART}:nonsense")
-    with pytest.raises(ValueError, match="p must be a positive even int"):
-        configlib.load_config(f"{QUICKSTART}:p=3")
-    with pytest.raises(ValueError, match="no field"):
-        configlib.apply_override(config, "optim.nope=1")
-
-
-def test_every_config_loads():
-    for path in sorted((ROOT / "configs").glob("*.py")):
-        module = configlib.load_module(path)
-        if not hasattr(module, "get_config"):
-            continue
-        assert "python experiments/" in module.__doc__, f"{path.name}: no launch command"
-        assert "Expected result" in module.__doc__, f"{path.name}: no expected result"
-        for arg in (None, "runlocal"):
-            config = module.get_config(arg)
-            assert config.num_train_steps > 0 and config.data.docs_per_batch > 0
-            assert config.data.path == str(datalib.AUSTEN_PATH)
-        if hasattr(module, "get_sweep"):
-            runs = module.get_sweep("runlocal")
-            assert {c.variant for c in runs} == {"softmax", "sympow", "gating", "conformal"}
-    paper = configlib.load_config(f"{ROOT / 'configs' / 'sweep_p4.py'}:sympow,context=65536")
-    assert paper.data.docs_per_batch * paper.data.context_size == 524288
-    assert paper.optim.learning_rate == 6e-4 and paper.optim.schedule == "constant"
-    assert (paper.model.n_layer, paper.model.d_model, paper.model.p) == (12, 768, 4)
-
-
-def test_final_loss_weights_records_by_steps():
-    records = [{"step": 10, "loss": 5.0}, {"step": 20, "loss": 3.0}, {"step": 25, "loss": 1.0}]
-    assert final_loss(records, 5) == 1.0
-    assert final_loss(records, 10) == pytest.approx((5 * 3.0 + 5 * 1.0) / 10)
-    assert final_loss(records, 100) == pytest.approx((10 * 5 + 10 * 3 + 5 * 1) / 25)
+def test_stop_after_and_summary_line():
+    stop = stop_after(3)
+    assert [stop(s) for s in (1, 2, 3, 4)] == [False, False, True, True]
+    summary = {"variant": "softmax", "steps": 5, "num_train_steps": 10, "final_loss": 6.5,
+               "final_loss_steps": 2, "tokens": 5120, "wall_s": 1.34, "tokens_per_sec": 4096.0,
+               "num_params": 1_500_000, "devices": 1, "workdir": "/w", "interrupted": "SIGTERM"}
+    assert summary_line(summary) == (
+        "summary: softmax steps 5/10 final_loss 6.5000 (mean of last 2 steps) tokens 5,120 "
+        "wall 1.3s 4,096 tok/s params 1.50M devices 1 workdir /w INTERRUPTED (SIGTERM)")

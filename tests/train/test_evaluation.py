@@ -1,4 +1,4 @@
-"""Contextwise evaluation: the jitted per-position loss against an unjitted computation,
+"""sympow.train.evaluation: the jitted per-position loss against an unjitted computation,
 windows longer than the training context (and of lengths that are not powers of two), the
 workdir evaluation with its CSV / JSON / PNG outputs, and the command line with an overlay."""
 
@@ -8,24 +8,20 @@ import csv
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from sympow.data import LongCrawl64
-from sympow.train import config as configlib
 from sympow.train import data as datalib
 from sympow.train import evaluation
 from sympow.train.model import init_model_state, model_def
 from sympow.train.trainer import train
+from tests.train.helpers import QUICKSTART, ROOT, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = str(ROOT / "configs" / "quickstart.py")
-TINY = ["model.n_layer=1", "model.d_model=32", "model.dtype=float32", "data.context_size=32",
-        "data.docs_per_batch=4", "log_every=1", "checkpoint_every=1", "eval.length=96",
-        "eval.num_windows=3", "optim.warmup_steps=0"]
+# The tiny run of tests.train.helpers, checkpointed every step, evaluated on 3 windows of 96.
+EVAL = ["checkpoint_every=1", "eval.length=96", "eval.num_windows=3"]
 
 
 def per_position_loss_unjitted(model, inputs, labels) -> np.ndarray:
@@ -44,7 +40,7 @@ def per_position_loss_unjitted(model, inputs, labels) -> np.ndarray:
 
 @pytest.mark.parametrize("variant", ["softmax", "conformal"])
 def test_contextwise_matches_unjitted(variant):
-    config = configlib.load_config(f"{QUICKSTART}:{variant},runlocal", TINY)
+    config = tiny_config(f"{QUICKSTART}:{variant},runlocal", EVAL)
     mdef = model_def(config.model)
     params, rest = init_model_state(mdef, seed=3)
     mesh = datalib.make_mesh()
@@ -68,7 +64,7 @@ def test_contextwise_matches_unjitted(variant):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    config = configlib.load_config(f"{QUICKSTART}:softmax,runlocal", [*TINY, "num_train_steps=2"])
+    config = tiny_config(overrides=[*EVAL, "num_train_steps=2"])
     train(config, workdir, progress=False)
     return workdir
 
@@ -108,13 +104,22 @@ def test_evaluate_cli_overlay(trained, tmp_path):
     assert "mean loss over 1..40" in proc.stdout
 
 
-def test_log_binned_and_window_lengths():
+
+
+def test_log_binned():
     losses = np.arange(1, 1001, dtype=float)
     x, y = evaluation.log_binned(losses, bins=10)
     assert np.all(np.diff(x) > 0) and x[0] == 1 and y[0] == 1.0
     assert np.isclose(y.max(), losses[-len(losses) // 5:].mean(), rtol=0.2)
-    assert datalib.window_loader_length(1) == 1
-    assert datalib.window_loader_length(3000) == 4096
-    assert datalib.window_loader_length(65536) == 65536
-    with pytest.raises(ValueError, match="eval length"):
-        datalib.window_loader_length(65537)
+
+
+def test_csv_round_trip_of_curves_of_different_lengths(tmp_path):
+    curves = [evaluation.Curve("a", np.array([1.0, 2.5, 3.25]), 1),
+              evaluation.Curve("b", np.array([0.1234567]), 1)]
+    path = evaluation.write_csv(tmp_path / "c.csv", curves)
+    assert path.read_text().splitlines() == [
+        "position,a,b", "1,1.000000,0.123457", "2,2.500000,", "3,3.250000,"]
+    back = evaluation.read_csv(path)
+    assert [c.label for c in back] == ["a", "b"]
+    np.testing.assert_array_equal(back[0].losses, [1.0, 2.5, 3.25])
+    np.testing.assert_array_equal(back[1].losses, [0.123457])

@@ -1,15 +1,19 @@
-"""One-command context sweeps: every (variant, context) trained, evaluated and plotted."""
+"""sympow.train.sweep: every (variant, context) of a sweep file trained, evaluated, tabled and
+plotted; run folder names."""
 
 from __future__ import annotations
 
 import csv
 
-from sympow.train.sweep import CSV_FILE, PNG_FILE, load_sweep, run_name, run_sweep
+import pytest
+
+from sympow.train.sweep import CSV_FILE, PNG_FILE, load_sweep, read_csv, run_name, run_sweep
+from tests.train.helpers import CONFIGS
 
 
 def test_sweep_files_list_the_papers_runs():
-    p4 = load_sweep("configs/sweep_p4.py")
-    p2 = load_sweep("configs/sweep_p2.py")
+    p4 = load_sweep(str(CONFIGS / "sweep_p4.py"))
+    p2 = load_sweep(str(CONFIGS / "sweep_p2.py"))
     assert sorted({c.data.context_size for c in p4}) == [1024, 2048, 4096, 8192, 16384, 32768,
                                                          65536]
     assert sorted({c.data.context_size for c in p2}) == [256, 512, 1024, 2048, 4096, 8192]
@@ -19,7 +23,7 @@ def test_sweep_files_list_the_papers_runs():
 
 
 def test_tiny_sweep_writes_table_and_figure(tmp_path):
-    spec = "configs/sweep_p2.py:runlocal,variants=softmax+conformal,contexts=64+128,steps=3"
+    spec = f"{CONFIGS / 'sweep_p2.py'}:runlocal,variants=softmax+conformal,contexts=64+128,steps=3"
     rows = run_sweep(spec, tmp_path, eval_windows=1, progress=False)
     assert sorted((r["variant"], r["context"]) for r in rows) == [
         ("conformal", 64), ("conformal", 128), ("softmax", 64), ("softmax", 128)]
@@ -33,3 +37,18 @@ def test_tiny_sweep_writes_table_and_figure(tmp_path):
     # A rerun finds every run finished and only rebuilds the table.
     again = run_sweep(spec, tmp_path, eval_windows=1, progress=False)
     assert [r["final_loss"] for r in again] == [r["final_loss"] for r in rows]
+    typed = read_csv(tmp_path / CSV_FILE)
+    assert [(r["variant"], r["p"], r["context"], r["steps"]) for r in typed] == [
+        (r["variant"], r["p"], r["context"], 3) for r in rows]
+    for got, row in zip(typed, rows, strict=True):
+        assert got["final_loss"] == pytest.approx(row["final_loss"], abs=5e-7)
+        assert got["workdir"] == row["workdir"]
+
+
+def test_run_names_are_preset_names():
+    """Run folders are ``<preset>_p<p>_ctx<T>`` (softmax: no p); the arg word 'gating' names
+    the preset 'sympow_gating', so its runs live in sympow_gating_p<p>_ctx<T>."""
+    runs = load_sweep(f"{CONFIGS / 'sweep_p2.py'}:variants=softmax+gating+conformal,"
+                      "contexts=1024")
+    assert [run_name(c) for c in runs] == ["softmax_ctx1024", "sympow_gating_p2_ctx1024",
+                                           "conformal_p2_ctx1024"]

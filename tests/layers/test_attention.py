@@ -1,0 +1,60 @@
+"""sympow.layers.attention: the layers standalone (shapes, gate init, rotary, softmax
+implementation choice)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sympow.layers import Rotary, SoftmaxAttention, SympowAttention
+
+
+def test_attention_layers_standalone():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, 32)), jnp.float32)
+    for layer in (SympowAttention(32, 4, 2, p=4, gating=True, rotary="learned", chunk_size=4,
+                                  rngs=nnx.Rngs(0)),
+                  SoftmaxAttention(32, 4, 1, rngs=nnx.Rngs(0))):
+        y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+        assert y.shape == x.shape and y.dtype == jnp.float32
+        assert np.isfinite(np.asarray(y)).all()
+    # log_g <= 0 and the gate starts near 1 (bias +5).
+    layer = SympowAttention(32, 4, gating=True, rngs=nnx.Rngs(0))
+    _, _, _, log_g, _ = layer.project(x)
+    assert log_g.shape == (2, 9, 4) and float(log_g.max()) <= 0 and float(log_g.min()) > -0.05
+
+
+def test_softmax_implementation_choice():
+    layer = SoftmaxAttention(32, 4, dtype="bfloat16", rngs=nnx.Rngs(0))
+    assert layer._implementation() == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    assert SoftmaxAttention(32, 4, rngs=nnx.Rngs(0))._implementation() == "xla"  # float32
+
+
+
+def test_fresh_learned_rotary_scores_equal_fixed_rotary():
+    """W_beta starts at zero, so beta = 1 and mu_i = i + 1: fixed rotary (mu_i = i) shifted by
+    one, hence the same scores q_i . k_j (they depend on mu_i - mu_j only), with mu = T after
+    the last token. A rotation keeps the norm of every (2j, 2j + 1) pair; fixed rotary leaves
+    position 0 unchanged (angle 0)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 7, 32)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, 7, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 7, 2, 8)), jnp.float32)
+    q_l, k_l, mu = Rotary(32, 2, 8, "learned", rngs=nnx.Rngs(0))(x, q, k)
+    q_f, k_f, none = Rotary(32, 2, 8, "fixed", rngs=nnx.Rngs(0))(x, q, k)
+    assert none is None
+    np.testing.assert_array_equal(mu, np.full((2, 2), 7.0))
+
+    def scores(q, k):  # [B, Hq, T, T]; query head n reads key/value head n // 2
+        return np.einsum("bind,bjnd->bnij", np.asarray(q), np.repeat(np.asarray(k), 2, axis=2))
+
+    np.testing.assert_allclose(scores(q_l, k_l), scores(q_f, k_f), rtol=1e-5, atol=1e-5)
+    assert np.abs(scores(q_f, k_f) - scores(q, k)).max() > 1e-2  # rotary did something
+    np.testing.assert_array_equal(q_f[:, 0], q[:, 0])
+
+    def pair_norms(a):
+        return np.hypot(np.asarray(a)[..., 0::2], np.asarray(a)[..., 1::2])
+
+    for rotated, original in ((q_f, q), (k_f, k), (q_l, q), (k_l, k)):
+        np.testing.assert_allclose(pair_norms(rotated), pair_norms(original), rtol=1e-5)

@@ -1,0 +1,86 @@
+"""sympow.layers.decode: prefill then recurrent decoding equals the full forward; generation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sympow.layers import generate
+from tests.layers.helpers import (
+    VARIANTS,
+    VOCAB,
+    decode_logits,
+    full_logits,
+    prefill_and_decode,
+    randomized,
+    rel_max_err,
+    tiny,
+    tokens,
+)
+
+
+@pytest.mark.parametrize("variant, overrides", [(v, {}) for v in VARIANTS] + [
+    ("softmax", dict(rotary="learned"))])
+def test_prefill_then_decode_matches_forward_fp32(variant, overrides):
+    """p = 2 in float32; the prompt (5) and T (13) are not multiples of chunk_size (4)."""
+    model = randomized(tiny(variant, **overrides))
+    toks = tokens(0)
+    full = full_logits(model, toks)
+    decoded = decode_logits(model, toks, 5)
+    # float32 rounding through 2 layers of O(1) activations: a few ulps of the largest logit.
+    assert rel_max_err(decoded, full) < 1e-6
+
+
+@pytest.mark.parametrize("variant", ["softmax", "conformal"])
+def test_decode_from_empty_cache_matches_forward(variant):
+    model = randomized(tiny(variant))
+    toks = tokens(0)
+    decoded, cache = prefill_and_decode(*nnx.split(model), toks, 0)
+    assert int(cache.position) == toks.shape[1]
+    assert rel_max_err(decoded, full_logits(model, toks)) < 1e-6
+
+
+def test_prefill_then_decode_matches_forward_p4_float64(x64):
+    """p = 4 needs float64: phi(q).S cancels terms of size |q|^4 |k|^4 down to (q.k)^4, so
+    in float32 rows with small scores lose digits (seen: 2e-6 of the largest logit). The
+    conformal variant exercises everything (gating, learned rotary, grouped heads)."""
+    model = randomized(tiny("conformal", p=4, dtype="float64", param_dtype="float64"))
+    toks = tokens(3)
+    full = full_logits(model, toks)
+    assert full.dtype == jnp.float64
+    assert rel_max_err(decode_logits(model, toks, 7), full) < 1e-12
+
+
+def test_sympow_state_size_is_constant_in_context():
+    model = randomized(tiny("conformal"))
+    shapes = [jax.eval_shape(lambda t: model.prefill(t)[1].layers, tokens(5, (2, n)))
+              for n in (3, 11, 40)]
+    assert shapes[0] == shapes[1] == shapes[2]
+
+
+@pytest.mark.parametrize("variant", ["softmax", "conformal"])
+def test_generate_greedy_matches_full_forward_argmax(variant):
+    model = randomized(tiny(variant))
+    prompt = tokens(6, (2, 5))
+    out = generate(model, prompt, 8)
+    assert out.shape == (2, 13) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out[:, :5], prompt)
+    # Causal: the forward's logits at i - 1 are those of the prefix out[:, :i], so every new
+    # token is the argmax of the forward over its prefix.
+    expected = jnp.argmax(full_logits(model, out)[:, 4:-1], axis=-1)
+    np.testing.assert_array_equal(out[:, 5:], expected)
+
+
+def test_generate_sampling_is_reproducible():
+    model = randomized(tiny("sympow_gating"))
+    prompt = tokens(7, (3, 4))
+    a = generate(model, prompt, 5, temperature=1.0, rng=jax.random.key(1))
+    b = generate(model, prompt, 5, temperature=1.0, rng=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (3, 9) and int(a.min()) >= 0 and int(a.max()) < VOCAB
+    with pytest.raises(ValueError, match="rng"):
+        generate(model, prompt, 5, temperature=1.0)
+

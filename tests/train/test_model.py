@@ -1,0 +1,46 @@
+"""sympow.train.model: ``config.model`` -> GPTConfig, the abstract model definition and its
+parameter count, sharded initialization equal to building the GPT directly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sympow.layers import GPT
+from sympow.train.model import gpt_config, init_model_state, model_def
+from tests.layers.helpers import gpt2_params
+from tests.train.helpers import MODEL
+
+
+def test_gpt_config_from_config_fields():
+    config = gpt_config({**MODEL, "dtype": "bfloat16"})
+    assert config.dtype == jnp.bfloat16 and config.param_dtype == jnp.float32
+    assert (config.vocab_size, config.n_layer, config.d_model) == (64, 1, 16)
+    with pytest.raises(ValueError, match="model.dtype: 'float8'"):
+        gpt_config({**MODEL, "dtype": "float8"})
+    with pytest.raises(ValueError, match=r"unknown GPTConfig field\(s\) \['n_embd'\]"):
+        gpt_config({**MODEL, "n_embd": 16})
+
+
+def test_model_def_counts_gpt2_parameters():
+    mdef = model_def(MODEL)
+    assert mdef.num_params == gpt2_params(64, 1, 16)
+    assert jax.tree.leaves(mdef.abstract_rest) == []  # the GPT keeps no buffers
+
+
+def test_init_and_apply_equal_the_gpt_built_directly():
+    mdef = model_def(MODEL)
+    params, rest = init_model_state(mdef, seed=5)
+    direct = GPT(gpt_config(MODEL), rngs=nnx.Rngs(5))
+    want = nnx.state(direct, nnx.Param)
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-9)  # jitted vs eager init
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
+    logits, _ = mdef.apply(params, rest, tokens)
+    assert logits.shape == (2, 9, 64) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, direct(tokens), rtol=1e-6, atol=1e-6)
+    other, _ = init_model_state(mdef, seed=6)
+    assert not np.array_equal(other["wte"]["embedding"][...], params["wte"]["embedding"][...])
