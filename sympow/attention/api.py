@@ -18,7 +18,15 @@ from jaxtyping import Array, Float
 
 from sympow.attention import implementations
 from sympow.attention.config import AttentionConfig
-from sympow.attention.reference import SympowState, recurrent_step
+from sympow.attention.reference import (
+    Keys,
+    LogGates,
+    Outputs,
+    Queries,
+    SympowState,
+    Values,
+    recurrent_step,
+)
 
 __all__ = ["sympow_attention", "prefill", "decode_step", "make_config", "check_settings"]
 
@@ -124,16 +132,9 @@ def _prefill(config: AttentionConfig, q, k, v, log_g):
     return y.astype(v.dtype), state
 
 
-def sympow_attention(
-    q: Float[Array, "B T Hq D"],
-    k: Float[Array, "B T Hk D"],
-    v: Float[Array, "B T Hk E"],
-    log_g: Float[Array, "B T Hk"] | None = None,
-    *,
-    p: int = 2,
-    chunk_size: int | None = None,
-    impl: str | None = None,
-) -> Float[Array, "B T Hq E"]:
+def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *,
+                     p: int = 2, chunk_size: int | None = None, impl: str | None = None
+                     ) -> Outputs:
     """Causal (gated) symmetric power attention.
 
     Y_i = sum_{j<=i} B_ij V_j / sum_{j<=i} B_ij with B_ij = exp(G_i - G_j) (Q_i . K_j)^p and
@@ -163,16 +164,9 @@ def sympow_attention(
     return _attention_jit(config, q, k, v, log_g)
 
 
-def prefill(
-    q: Float[Array, "B T Hq D"],
-    k: Float[Array, "B T Hk D"],
-    v: Float[Array, "B T Hk E"],
-    log_g: Float[Array, "B T Hk"] | None = None,
-    *,
-    p: int = 2,
-    chunk_size: int | None = None,
-    impl: str | None = None,
-) -> tuple[Float[Array, "B T Hq E"], SympowState]:
+def prefill(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *, p: int = 2,
+            chunk_size: int | None = None, impl: str | None = None
+            ) -> tuple[Outputs, SympowState]:
     """Chunked forward over a prompt that also returns the recurrent state after it.
 
     Same arguments as `sympow_attention`; impl='reference' runs the specification's

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sympow.attention.reference import SympowState
+from sympow.attention.reference import Keys, LogGates, Outputs, Queries, SympowState, Values
 from sympow.numerics import compute_dtype, safe_divide
 
 
@@ -111,15 +111,12 @@ def normalize_queries_and_keys(q: Array, k: Array) -> tuple[Array, Array, Float[
 
 
 def chunked_attention(
-    q: Float[Array, "B T Hq D"],
-    k: Float[Array, "B T Hk D"],
-    v: Float[Array, "B T Hk E"],
-    log_g: Float[Array, "B T Hk"] | None,
+    q: Queries, k: Keys, v: Values, log_g: LogGates | None,
     *,
     p: int,
     chunk_size: int,
     primitives: ChunkPrimitives,
-) -> tuple[Float[Array, "B T Hq E"], SympowState]:
+) -> tuple[Outputs, SympowState]:
     """Causal gated sympow attention in O(T C D + T F E), composed from `primitives`.
 
     Returns (y [B, T, Hq, E] in float32 (float64 for float64 inputs), final state after the

@@ -21,6 +21,13 @@ from jaxtyping import Array, Float
 from sympow.embedding import expanded_dim, sympow_embedding
 from sympow.numerics import HIGHEST, compute_dtype, safe_divide
 
+# The public layout of the op (docs/design.md §1, §5.1), as in jax.nn.dot_product_attention.
+Queries = Float[Array, "B T Hq D"]
+Keys = Float[Array, "B T Hk D"]
+Values = Float[Array, "B T Hk E"]
+LogGates = Float[Array, "B T Hk"]
+Outputs = Float[Array, "B T Hq E"]
+
 
 def segment_sums(log_g: Float[Array, "B T H"]) -> Float[Array, "B H T T"]:
     """log b_ij = sum_{k=j+1..i} log_g_k for i >= j (0 on the diagonal), -inf above it.
@@ -38,12 +45,9 @@ def segment_sums(log_g: Float[Array, "B T H"]) -> Float[Array, "B H T T"]:
 
 
 def attention_form(
-    q: Float[Array, "B T Hq D"],
-    k: Float[Array, "B T Hk D"],
-    v: Float[Array, "B T Hk E"],
-    log_g: Float[Array, "B T Hk"] | None,
+    q: Queries, k: Keys, v: Values, log_g: LogGates | None,
     p: int,
-) -> Float[Array, "B T Hq E"]:
+) -> Outputs:
     """Causal gated sympow attention in O(T^2), stable as in [sympow] §4
     (docs/references.md).
 
@@ -124,14 +128,11 @@ def recurrent_step(
 
 
 def recurrent_form(
-    q: Float[Array, "B T Hq D"],
-    k: Float[Array, "B T Hk D"],
-    v: Float[Array, "B T Hk E"],
-    log_g: Float[Array, "B T Hk"] | None,
+    q: Queries, k: Keys, v: Values, log_g: LogGates | None,
     p: int,
     tile: int = 1,
     state: SympowState | None = None,
-) -> tuple[Float[Array, "B T Hq E"], SympowState]:
+) -> tuple[Outputs, SympowState]:
     """The recurrence of [conformal] §A.1 as a lax.scan over time, carrying (S, Z).
 
     Returns (y float32 [B, T, Hq, E], final state). `state` continues an earlier call.
