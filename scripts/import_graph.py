@@ -1,6 +1,7 @@
 """Draw and check the import graph of the `sympow` package (docs/design.md §8).
 
-  python scripts/import_graph.py           # a Mermaid drawing of the graph, for the docs
+  python scripts/import_graph.py           # a Mermaid drawing of the graph
+  python scripts/import_graph.py --update  # redraw it in docs/design.md §8
   python scripts/import_graph.py --check   # exit 1 on an import loop or an upward import
 
 Every `import` of a sympow module counts, also one inside a function. Two rules:
@@ -124,11 +125,26 @@ def mermaid(graph: Mapping[str, set[str]]) -> str:
     return "\n".join(lines)
 
 
+DESIGN_DOC = ROOT / "docs" / "design.md"
+FENCE, END = "```mermaid\n", "\n```"
+
+
+def drawing_in(text: str) -> str:
+    """The Mermaid block of a Markdown text."""
+    return text.split(FENCE, 1)[1].split(END, 1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 on a loop or upward import")
+    parser.add_argument("--update", action="store_true", help="redraw docs/design.md's graph")
     args = parser.parse_args(argv)
     graph = module_imports()
+    if args.update:
+        text = DESIGN_DOC.read_text()
+        DESIGN_DOC.write_text(text.replace(FENCE + drawing_in(text) + END,
+                                           FENCE + mermaid(graph) + END, 1))
+        return 0
     if args.check:
         found = problems(graph)
         print("\n".join(found) or f"{len(graph)} modules: no import loop, no upward import")

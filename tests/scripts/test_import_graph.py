@@ -42,7 +42,6 @@ def test_mermaid_draws_every_edge():
 
 
 def test_the_drawing_in_the_design_doc_is_current():
-    design = (import_graph.ROOT / "docs" / "design.md").read_text()
-    drawing = design.split("```mermaid\n", 1)[1].split("\n```", 1)[0]
+    drawing = import_graph.drawing_in(import_graph.DESIGN_DOC.read_text())
     assert drawing == import_graph.mermaid(import_graph.module_imports()), (
-        "docs/design.md §8: paste the output of `python scripts/import_graph.py`")
+        "docs/design.md §8 is stale: run `python scripts/import_graph.py --update`")

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from sympow.embedding import expanded_dim
+from sympow.numerics import HIGHEST
 
 SUPPORTED_D = {2: (16, 32, 64, 128), 4: (16, 32)}
 SUPPORTED_E = (16, 32, 64, 128)
@@ -119,7 +119,7 @@ class Plan:
     @property
     def precision(self):
         # float32 operands: ask for true fp32 products (Triton's default would be tf32).
-        return jax.lax.Precision.HIGHEST if self.mm_dtype == jnp.float32 else None
+        return HIGHEST if self.mm_dtype == jnp.float32 else None
 
 
 @dataclasses.dataclass(frozen=True)
