@@ -119,7 +119,8 @@ def size_fields(size: str) -> dict[str, int]:
 
 def model_config(variant: str, p: int, size: str) -> ml_collections.ConfigDict:
     """``config.model``: ``GPTConfig.preset(variant, size, p=p)`` as GPTConfig fields, with bf16
-    compute over fp32 parameters and chunk_size / impl left to ``sympow.sympow_attention``."""
+    compute over fp32 parameters and chunk_size / impl / algorithm left to
+    ``sympow.sympow_attention``."""
     return ml_collections.ConfigDict({
         "vocab_size": GPTConfig.vocab_size,  # 50304: GPT-2's 50,257 tokens padded to 64
         **size_fields(size),
@@ -127,6 +128,7 @@ def model_config(variant: str, p: int, size: str) -> ml_collections.ConfigDict:
         "p": p,
         "chunk_size": config_dict.placeholder(int),
         "impl": config_dict.placeholder(str),
+        "algorithm": config_dict.placeholder(str),
         "dtype": "bfloat16",
         "param_dtype": "float32",
     })

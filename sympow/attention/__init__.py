@@ -6,6 +6,7 @@
   reference.py        the specification: quadratic attention form, recurrent form
   chunked.py          the chunked algorithm, written once over swappable primitives
   xla.py              pure-JAX primitives (the kernels' oracle, the CPU path)
+  blocked.py          the attention form block by block in pure JAX (O(T x block) memory)
   pallas/             the portable Pallas kernel tier, split by role
   testing.py          cases and checks shared by the tests and the GPU runner
 
@@ -16,7 +17,12 @@ library import.
 from sympow.attention.api import check_settings, decode_step, prefill, sympow_attention
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
-from sympow.attention.implementations import IMPLEMENTATIONS, IMPLS, available_impls
+from sympow.attention.implementations import (
+    ALGORITHMS,
+    IMPLEMENTATIONS,
+    IMPLS,
+    available_impls,
+)
 from sympow.attention.reference import (
     SympowState,
     attention_form,
@@ -26,7 +32,7 @@ from sympow.attention.reference import (
 )
 
 __all__ = [
-    "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
+    "ALGORITHMS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
     "attention_form", "available_impls", "check_settings", "chunked_attention", "decode_step",
     "init_state", "prefill", "recurrent_form", "recurrent_step", "sympow_attention",
 ]

@@ -70,24 +70,24 @@ def check_p(p) -> None:
         raise ValueError(f"p must be a positive even int, got p={p!r}")
 
 
-def check_settings(*, p, chunk_size, impl) -> None:
-    """ValueError for a p, chunk_size or impl outside the contract (what the layers check at
-    construction, before any input exists)."""
+def check_settings(*, p, chunk_size, impl, algorithm=None) -> None:
+    """ValueError for a p, chunk_size, impl or algorithm outside the contract (what the
+    layers check at construction, before any input exists)."""
     check_p(p)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got "
                          f"chunk_size={chunk_size!r}")
-    implementations.check_impl(impl)
+    implementations.check_impl(impl, algorithm)
 
 
-def make_config(length: int, p: int, chunk_size: int | None, impl: str | None, *,
-                need_state: bool = False) -> AttentionConfig:
+def make_config(length: int, p: int, chunk_size: int | None, impl: str | None,
+                algorithm: str | None = None, *, need_state: bool = False) -> AttentionConfig:
     """Choose the implementation and fill in the defaults: the frozen config of one call."""
-    check_settings(p=p, chunk_size=chunk_size, impl=impl)
-    row = implementations.select(impl, need_state=need_state)
+    check_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm)
+    row = implementations.select(impl, algorithm, need_state=need_state)
     if row.default_chunk_size is None:
-        chunk_size = None  # only the chunked algorithm has chunks
+        chunk_size = None  # the row has no chunk or block
     elif chunk_size is None:
         chunk_size = row.default_chunk_size(length)
     return AttentionConfig(p=p, algorithm=row.algorithm, backend=row.backend,
@@ -133,8 +133,8 @@ def _prefill(config: AttentionConfig, q, k, v, log_g):
 
 
 def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *,
-                     p: int = 2, chunk_size: int | None = None, impl: str | None = None
-                     ) -> Outputs:
+                     p: int = 2, chunk_size: int | None = None, impl: str | None = None,
+                     algorithm: str | None = None) -> Outputs:
     """Causal (gated) symmetric power attention.
 
     Y_i = sum_{j<=i} B_ij V_j / sum_{j<=i} B_ij with B_ij = exp(G_i - G_j) (Q_i . K_j)^p and
@@ -149,33 +149,37 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
       log_g: [B, T, Hk] log of the gate gamma in (0, 1], so log_g <= 0 (not checked: values
         are traced); None for no gating. Any floating dtype; used in float32.
       p: positive even power.
-      chunk_size: chunk C of the chunked algorithm; None chooses. Any T works (the tail is
-        padded). Ignored by impl='reference'.
+      chunk_size: chunk C of the chunked algorithm, or the block of the blocked attention
+        form; None chooses. Any T works (the tail is padded). Ignored by impl='reference'.
       impl: the backend (docs/design.md §5.1): None picks the fastest available on the
-        platform; 'pallas' (Pallas kernels of the chunked algorithm; Triton on GPU, the
-        interpreter elsewhere) | 'xla' (the chunked algorithm in pure JAX) | 'reference'
-        (the quadratic attention form, O(T^2) memory).
+        platform; 'pallas' (Pallas kernels; Triton on GPU, the interpreter elsewhere) |
+        'xla' (pure JAX) | 'reference' (the specification; O(T^2) memory).
+      algorithm: 'chunked' (linear in T: the chunked algorithm over per-chunk states) |
+        'attention' (the attention form, quadratic in T; with impl='xla' computed block by
+        block in O(T x block) memory) | None: the first the backend has, in the order of
+        `sympow.attention.IMPLEMENTATIONS` (chunked for 'pallas' and 'xla').
 
     Returns:
       [B, T, Hq, E] in v's dtype (accumulated in float32).
     """
     validate_inputs(q, k, v, log_g, p)
-    config = make_config(q.shape[1], p, chunk_size, impl)
+    config = make_config(q.shape[1], p, chunk_size, impl, algorithm)
     return _attention_jit(config, q, k, v, log_g)
 
 
 def prefill(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *, p: int = 2,
-            chunk_size: int | None = None, impl: str | None = None
-            ) -> tuple[Outputs, SympowState]:
+            chunk_size: int | None = None, impl: str | None = None,
+            algorithm: str | None = None) -> tuple[Outputs, SympowState]:
     """Chunked forward over a prompt that also returns the recurrent state after it.
 
-    Same arguments as `sympow_attention`; impl='reference' runs the specification's
-    recurrent scan (one token at a time, for tests). Returns (y [B, T, Hq, E] in v's dtype,
+    Same arguments as `sympow_attention`, among implementations that return the state
+    (algorithm 'chunked', or 'recurrent': impl='reference' runs the specification's
+    recurrent scan, one token at a time, for tests). Returns (y [B, T, Hq, E] in v's dtype,
     SympowState with s [B, Hk, F, E] and z [B, Hk, F] in float32, F = expanded_dim(D, p))
     to continue with `decode_step`.
     """
     validate_inputs(q, k, v, log_g, p)
-    config = make_config(q.shape[1], p, chunk_size, impl, need_state=True)
+    config = make_config(q.shape[1], p, chunk_size, impl, algorithm, need_state=True)
     return _prefill(config, q, k, v, log_g)
 
 

@@ -77,6 +77,12 @@ def combine(
     return safe_divide(num, den * w_intra + inter_den * w_inter)
 
 
+def capped_block(length: int, cap: int) -> int:
+    """A block (or chunk) of `cap` rows, or fewer for a short sequence: `length` rounded up
+    to a multiple of 8."""
+    return max(1, min(cap, -(-length // 8) * 8))
+
+
 def to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:
     """[B, T, H, ...] -> zero-padded [B, H, N, C, ...]."""
     pad = num_chunks * chunk - x.shape[1]

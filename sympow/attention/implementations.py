@@ -5,15 +5,17 @@ Every caller reads this table: the API (`api.py`) to run a call, the layers to c
 time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
 
   algorithm  'chunked'   the chunked algorithm over four primitives (chunked.py), linear in T
-             'attention' the attention form, O(T^2) in the reference
+             'attention' the attention form: O(T^2) time; O(T x block) memory in blocked.py,
+                         O(T^2) in the reference
              'recurrent' the recurrence, one token at a time
   backend    'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
              'xla'       pure JAX, memory-conscious
              'reference' the specification forms (reference.py)
 
-The public `impl=` argument names a backend. Within it the first row, in table order, that
-runs on the platform and gives what the call needs (the final state, for `prefill`) is
-used; `impl=None` takes the first row whose backend is a default on the platform.
+The public `impl=` argument names a backend and `algorithm=` an algorithm; either may be
+None. The first row, in table order, that matches both, runs on the platform and gives what
+the call needs (the final state, for `prefill`) is used; with `impl=None` only rows whose
+backend is a default on the platform count.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import jax
 
 from sympow.attention import xla
+from sympow.attention.blocked import blocked_attention, default_block_size
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
 from sympow.attention.pallas import plan as pallas_plan
@@ -40,8 +43,8 @@ class Implementation:
     run(config, q, k, v, log_g) -> (y float32 [B, T, Hq, E], final state or None).
     platforms: the JAX backends it runs on (None: all). default_on: those on which
     impl=None may choose it. has_state: `run` returns the recurrent state after the last
-    token (what `prefill` needs). default_chunk_size(T): C when the caller gives none
-    (chunked only).
+    token (what `prefill` needs). default_chunk_size(T): the chunk (chunked algorithm) or
+    block (blocked attention form) when the caller gives none; None for rows without one.
     """
 
     algorithm: str
@@ -66,6 +69,10 @@ def _chunked(primitives: Callable[[AttentionConfig], ChunkPrimitives]) -> Callab
     return run
 
 
+def _blocked(config: AttentionConfig, q, k, v, log_g):
+    return blocked_attention(q, k, v, log_g, p=config.p, block=config.chunk_size), None
+
+
 def _attention_form(config: AttentionConfig, q, k, v, log_g):
     return attention_form(q, k, v, log_g, config.p), None
 
@@ -84,13 +91,16 @@ IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
         Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),
                        default_on=ANY_PLATFORM, has_state=True,
                        default_chunk_size=xla.default_chunk_size),
+        Implementation("attention", "xla", _blocked, default_on=ANY_PLATFORM,
+                       default_chunk_size=default_block_size),
         Implementation("attention", "reference", _attention_form),
         Implementation("recurrent", "reference", _recurrent_form, has_state=True),
     )
 }
 
-# The values of the public `impl=` argument: the backends, in table order.
+# The values of the public `impl=` and `algorithm=` arguments, in table order.
 IMPLS: tuple[str, ...] = tuple(dict.fromkeys(backend for _, backend in IMPLEMENTATIONS))
+ALGORITHMS: tuple[str, ...] = tuple(dict.fromkeys(alg for alg, _ in IMPLEMENTATIONS))
 
 
 def available_impls(platform: str | None = None) -> tuple[str, ...]:
@@ -109,25 +119,32 @@ def kernel_impls(platform: str | None = None) -> tuple[str, ...]:
                                if row.platforms is not ANY_PLATFORM and row.runs_on(platform)))
 
 
-def check_impl(impl: str | None) -> None:
-    """ValueError unless impl is None or a backend of the table."""
+def check_impl(impl: str | None, algorithm: str | None = None) -> None:
+    """ValueError unless impl and algorithm are None or names of the table."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got impl={impl!r}")
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS} or None, got "
+                         f"algorithm={algorithm!r}")
 
 
-def select(impl: str | None, *, need_state: bool = False,
+def select(impl: str | None, algorithm: str | None = None, *, need_state: bool = False,
            platform: str | None = None) -> Implementation:
-    """The row that runs a call: see the module docstring. ValueError naming impl (and the
-    platform) when no row fits."""
-    check_impl(impl)
+    """The row that runs a call: see the module docstring. ValueError naming impl and
+    algorithm (and the platform) when no row fits."""
+    check_impl(impl, algorithm)
     platform = platform or jax.default_backend()
     for row in IMPLEMENTATIONS.values():
         chosen = row.is_default_on(platform) if impl is None else row.backend == impl
-        if chosen and row.runs_on(platform) and (row.has_state or not need_state):
+        if (chosen and algorithm in (None, row.algorithm) and row.runs_on(platform)
+                and (row.has_state or not need_state)):
             return row
-    raise ValueError(f"impl={impl!r} is not available on backend {platform!r}"
+    what = f"impl={impl!r}" + ("" if algorithm is None else f" with algorithm={algorithm!r}")
+    rows = [key for key, row in IMPLEMENTATIONS.items() if row.runs_on(platform)
+            and (row.has_state or not need_state)]
+    raise ValueError(f"{what} is not available on backend {platform!r}"
                      f"{' for a call that returns the state' if need_state else ''}; "
-                     f"available: {available_impls(platform)}")
+                     f"available (algorithm, impl): {rows}")
 
 
 def lookup(config: AttentionConfig) -> Implementation:

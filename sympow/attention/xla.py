@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sympow.attention.chunked import ChunkPrimitives, combine
+from sympow.attention.chunked import ChunkPrimitives, capped_block, combine
 from sympow.embedding import sympow_embedding
 from sympow.numerics import HIGHEST, compute_dtype
 
@@ -119,4 +119,4 @@ PRIMITIVES = ChunkPrimitives(update_state, prefix_sum, attention, query_state)
 def default_chunk_size(length: int) -> int:
     """C when the caller gives none: 64 balances the O(T C) intra-chunk work against the
     O(T F E / C) state work for d = 64, p = 2, and never more than the (8-rounded) sequence."""
-    return max(1, min(64, -(-length // 8) * 8))
+    return capped_block(length, 64)

@@ -203,23 +203,24 @@ class _Attention(nnx.Module):
 class SympowAttention(_Attention):
     """Causal symmetric power attention ([conformal]): sympow, +gating, conformal-sympow.
 
-    Extra args over the shared ones (see `_Attention`): p (even power), chunk_size and impl
-    (passed to `sympow.sympow_attention`; None = choose), gating (data-dependent gate).
+    Extra args over the shared ones (see `_Attention`): p (even power), chunk_size, impl and
+    algorithm (passed to `sympow.sympow_attention`; None = choose; `prefill` takes the impl's
+    algorithm that returns a state), gating (data-dependent gate).
     conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
     q or k cancels in the normalized attention.
     """
 
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *, p: int = 2,
-                 chunk_size: int | None = None, impl: str | None = None, rngs: nnx.Rngs,
-                 **kwargs):
-        check_settings(p=p, chunk_size=chunk_size, impl=impl)
+                 chunk_size: int | None = None, impl: str | None = None,
+                 algorithm: str | None = None, rngs: nnx.Rngs, **kwargs):
+        check_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm)
         super().__init__(d_model, n_head, n_kv_head, rngs=rngs, **kwargs)
-        self.p, self.chunk_size, self.impl = p, chunk_size, impl
+        self.p, self.chunk_size, self.impl, self.algorithm = p, chunk_size, impl, algorithm
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         q, k, v, log_g, _ = self.project(x)
         y = sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
-                                    impl=self.impl)  # [B, T, Hq, E]
+                             impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
         return self.merge_heads(y)
 
     def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None
@@ -228,7 +229,7 @@ class SympowAttention(_Attention):
         del max_length
         q, k, v, log_g, mu = self.project(x)
         y, state = prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
-                                  impl=self.impl)
+                           impl=self.impl)
         return self.merge_heads(y), SympowCache(state, mu)
 
     def decode(self, x: Float[Array, "B 1 C"], cache: SympowCache, position: Array

@@ -68,7 +68,7 @@ class GPTConfig:
     n_kv_head: key/value heads (grouped queries); None = n_head.
     attention: 'softmax' | 'sympow'. p: even power (sympow). gating: data-dependent gate.
     rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
-    chunk_size, impl: passed to `sympow.sympow_attention` (None = choose).
+    chunk_size, impl, algorithm: passed to `sympow.sympow_attention` (None = choose).
     dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
     max_length: KV-cache rows of the softmax baseline when prefill gets no max_length.
     mlp_ratio: MLP hidden width / d_model. layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
@@ -87,6 +87,7 @@ class GPTConfig:
     rotary_base: float = 65536.0
     chunk_size: int | None = None
     impl: str | None = None
+    algorithm: str | None = None
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     max_length: int = 1024
@@ -129,7 +130,8 @@ def _attention(config: GPTConfig, rngs: nnx.Rngs):
     if config.attention == "softmax":
         return SoftmaxAttention(config.d_model, config.n_head, config.n_kv_head, **common)
     return SympowAttention(config.d_model, config.n_head, config.n_kv_head, p=config.p,
-                           chunk_size=config.chunk_size, impl=config.impl, **common)
+                           chunk_size=config.chunk_size, impl=config.impl,
+                           algorithm=config.algorithm, **common)
 
 
 def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:

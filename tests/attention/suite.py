@@ -38,24 +38,34 @@ def adversarial_inputs(rng, case, dtype):
 
 
 @functools.cache
-def _value_and_grad(impl, chunk, p):
+def _value_and_grad(impl, chunk, p, algorithm=None):
     """One jitted function per setting, so cases of equal shapes share the compilation."""
 
     def loss(q, k, v, log_g, cotangent):
-        y = sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
+        y = sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl,
+                                    algorithm=algorithm)
         return jnp.sum(y.astype(jnp.float32) * cotangent)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def grads(impl, chunk, p, cotangent, q, k, v, log_g):
+def grads(impl, chunk, p, cotangent, q, k, v, log_g, algorithm=None):
     """(loss, (dq, dk, dv, dlog_g)) of sum(y * cotangent)."""
-    return _value_and_grad(impl, chunk, p)(q, k, v, log_g, cotangent)
+    return _value_and_grad(impl, chunk, p, algorithm)(q, k, v, log_g, cotangent)
 
 
 class AttentionSuite:
     impl: str = "xla"
+    algorithm: str | None = None
     chunk = 16
+
+    def attend(self, q, k, v, log_g, p, chunk=None):
+        """y of the implementation under test (chunk: this suite's unless given)."""
+        return sympow.sympow_attention(q, k, v, log_g, p=p, impl=self.impl,
+                                       algorithm=self.algorithm, chunk_size=chunk or self.chunk)
+
+    def grads(self, p, cotangent, q, k, v, log_g):
+        return grads(self.impl, self.chunk, p, cotangent, q, k, v, log_g, self.algorithm)
 
     @pytest.mark.parametrize("p", [2, 4])
     @pytest.mark.parametrize(("t", "heads", "gating"), [(37, (4, 2), True), (16, (2, 2), False)])
@@ -63,7 +73,7 @@ class AttentionSuite:
         q, k, v, log_g = attention_inputs(rng, t=t, hq=heads[0], hk=heads[1], d=16, e=8,
                                           gating=gating)
         expected = sympow.sympow_attention(q, k, v, log_g, p=p, impl="reference")
-        got = sympow.sympow_attention(q, k, v, log_g, p=p, impl=self.impl, chunk_size=self.chunk)
+        got = self.attend(q, k, v, log_g, p)
         assert got.dtype == jnp.float32 and got.shape == expected.shape
         assert rel_err(got, expected) < 1e-5
 
@@ -74,11 +84,10 @@ class AttentionSuite:
         bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
         gold = grads("reference", None, p, cot, q, k, v, log_g)
         ref = grads("reference", None, p, cot, *bf16, log_g)
-        test = grads(self.impl, self.chunk, p, cot, *bf16, log_g)
+        test = self.grads(p, cot, *bf16, log_g)
+        reference = functools.partial(sympow.sympow_attention, p=p, impl="reference")
         outputs = [
-            ("y", *(sympow.sympow_attention(*x, log_g, p=p, impl=i, chunk_size=c) for x, i, c in
-                    [((q, k, v), "reference", None), (bf16, "reference", None),
-                     (bf16, self.impl, self.chunk)]))
+            ("y", reference(q, k, v, log_g), reference(*bf16, log_g), self.attend(*bf16, log_g, p))
         ] + [(name, g, r, t) for name, g, r, t in zip("dq dk dv dlog_g".split(), gold[1], ref[1],
                                                        test[1], strict=True)]
         for name, g, r, t in outputs:
@@ -92,11 +101,11 @@ class AttentionSuite:
     def test_adversarial_inputs_stay_finite(self, rng, case, dtype):
         q, k, v, log_g = adversarial_inputs(rng, case, dtype)
         cot = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
-        value, gradients = grads(self.impl, self.chunk, 2, cot, q, k, v, log_g)
+        value, gradients = self.grads(2, cot, q, k, v, log_g)
         assert np.isfinite(float(value))
         for g in gradients:
             assert np.all(np.isfinite(np.asarray(g, np.float32)))
-        y = sympow.sympow_attention(q, k, v, log_g, p=2, impl=self.impl, chunk_size=self.chunk)
+        y = self.attend(q, k, v, log_g, 2)
         assert np.all(np.isfinite(np.asarray(y, np.float32)))
         if case == "zero_queries":  # the documented output for rows with no weight
             assert np.all(np.asarray(y[:, ::3]) == 0)
@@ -107,12 +116,12 @@ class AttentionSuite:
 
     def test_gate_shut_attends_to_self_only(self, rng):
         q, k, v, log_g = adversarial_inputs(rng, "gate_shut", jnp.float32)
-        y = sympow.sympow_attention(q, k, v, log_g, p=2, impl=self.impl, chunk_size=self.chunk)
+        y = self.attend(q, k, v, log_g, 2)
         np.testing.assert_allclose(y, jnp.repeat(v, 2, axis=2), rtol=1e-5, atol=1e-6)
 
     def test_jit_and_vmap_compose(self, rng):
         q, k, v, log_g = attention_inputs(rng, t=20, d=16, e=8)
-        fn = functools.partial(sympow.sympow_attention, p=2, impl=self.impl, chunk_size=8)
+        fn = functools.partial(self.attend, p=2, chunk=8)
         direct = fn(q, k, v, log_g)
         np.testing.assert_allclose(jax.jit(fn)(q, k, v, log_g), direct, rtol=1e-5, atol=1e-6)
         mapped = jax.vmap(fn)(q[:, None], k[:, None], v[:, None], log_g[:, None])[:, 0]

@@ -35,6 +35,9 @@ def test_output_dtype_follows_v(rng):
      r"chunk_size must be a positive int or None, got chunk_size=0"),
     (lambda a: {**a, "chunk_size": 2.5}, r"chunk_size must be a positive int"),
     (lambda a: {**a, "impl": "cuda"}, r"impl must be one of .* got impl='cuda'"),
+    (lambda a: {**a, "algorithm": "flash"}, r"algorithm must be one of .* got algorithm='flash'"),
+    (lambda a: {**a, "impl": "pallas", "algorithm": "attention"},
+     r"impl='pallas' with algorithm='attention' is not available"),
 ])
 def test_invalid_arguments_raise(rng, change, match):
     q, k, v, log_g = attention_inputs(rng, b=2, t=5, hq=4, hk=2, d=8, e=6)
@@ -55,7 +58,7 @@ def test_unavailable_impl_names_backend(rng, monkeypatch):
     q, k, v, _ = attention_inputs(rng, t=3)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with pytest.raises(ValueError, match=r"impl='pallas' is not available on backend 'tpu'; "
-                                         r"available: \('xla', 'reference'\)"):
+                                         r"available \(algorithm, impl\): \[\('chunked', 'xla'\)"):
         sympow.sympow_attention(q, k, v, impl="pallas")
 
 

@@ -12,16 +12,17 @@ from sympow.attention.pallas import plan as pallas_plan
 
 def test_keys_are_the_rows_algorithm_and_backend():
     assert list(impls.IMPLEMENTATIONS) == [
-        ("chunked", "pallas"), ("chunked", "xla"), ("attention", "reference"),
-        ("recurrent", "reference")]
+        ("chunked", "pallas"), ("chunked", "xla"), ("attention", "xla"),
+        ("attention", "reference"), ("recurrent", "reference")]
     for (algorithm, backend), row in impls.IMPLEMENTATIONS.items():
         assert (row.algorithm, row.backend) == (algorithm, backend)
-        # Rows with a chunk heuristic are exactly the chunked ones.
-        assert (row.default_chunk_size is not None) == (algorithm == "chunked")
+        # Every row but the specification's has a chunk or block heuristic.
+        assert (row.default_chunk_size is not None) == (backend != "reference")
 
 
-def test_impl_names_are_the_backends_in_table_order():
+def test_names_are_the_backends_and_algorithms_in_table_order():
     assert impls.IMPLS == ("pallas", "xla", "reference")
+    assert impls.ALGORITHMS == ("chunked", "attention", "recurrent")
 
 
 @pytest.mark.parametrize(("platform", "expected"), [
@@ -38,25 +39,39 @@ def test_kernel_impls_are_the_platform_bound_tiers():
     assert impls.kernel_impls("tpu") == ()
 
 
-@pytest.mark.parametrize(("impl", "need_state", "platform", "key"), [
-    (None, False, "gpu", ("chunked", "pallas")),
-    (None, False, "cpu", ("chunked", "xla")),
-    (None, True, "cpu", ("chunked", "xla")),
-    ("pallas", False, "cpu", ("chunked", "pallas")),
-    ("reference", False, "cpu", ("attention", "reference")),
-    ("reference", True, "gpu", ("recurrent", "reference")),
+@pytest.mark.parametrize(("impl", "algorithm", "need_state", "platform", "key"), [
+    (None, None, False, "gpu", ("chunked", "pallas")),
+    (None, None, False, "cpu", ("chunked", "xla")),
+    (None, None, True, "cpu", ("chunked", "xla")),
+    (None, "attention", False, "gpu", ("attention", "xla")),
+    ("pallas", None, False, "cpu", ("chunked", "pallas")),
+    ("xla", "attention", False, "cpu", ("attention", "xla")),
+    ("reference", None, False, "cpu", ("attention", "reference")),
+    ("reference", None, True, "gpu", ("recurrent", "reference")),
 ])
-def test_select(impl, need_state, platform, key):
-    row = impls.select(impl, need_state=need_state, platform=platform)
+def test_select(impl, algorithm, need_state, platform, key):
+    row = impls.select(impl, algorithm, need_state=need_state, platform=platform)
     assert (row.algorithm, row.backend) == key
 
 
-def test_select_rejects_unknown_and_unavailable_impls():
+def test_select_rejects_unknown_and_unavailable_choices():
     with pytest.raises(ValueError, match=r"impl must be one of \('pallas', 'xla', 'reference'\) "
                                          r"or None, got impl='mosaic_gpu'"):
         impls.select("mosaic_gpu")
+    with pytest.raises(ValueError, match=r"algorithm must be one of \('chunked', 'attention', "
+                                         r"'recurrent'\) or None, got algorithm='flash'"):
+        impls.select(None, "flash")
     with pytest.raises(ValueError, match=r"impl='pallas' is not available on backend 'tpu'"):
         impls.select("pallas", platform="tpu")
+    with pytest.raises(ValueError, match=r"impl='pallas' with algorithm='attention' is not "
+                                         r"available on backend 'cpu'"):
+        impls.select("pallas", "attention", platform="cpu")
+    with pytest.raises(ValueError, match=r"impl='xla' with algorithm='attention' is not "
+                                         r"available on backend 'cpu' for a call that returns "
+                                         r"the state; available \(algorithm, impl\): "
+                                         r"\[\('chunked', 'pallas'\), \('chunked', 'xla'\), "
+                                         r"\('recurrent', 'reference'\)\]"):
+        impls.select("xla", "attention", need_state=True, platform="cpu")
 
 
 def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
@@ -65,5 +80,6 @@ def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
     assert config.chunk_size == pallas_plan.default_chunk_size(100) == 128
     assert make_config(100, 2, 32, "xla").chunk_size == 32
     assert make_config(100, 2, 32, "reference").chunk_size is None
+    assert make_config(300, 2, None, "xla", "attention").chunk_size == 128
     assert impls.lookup(make_config(100, 2, None, "reference", need_state=True)) is \
         impls.IMPLEMENTATIONS["recurrent", "reference"]

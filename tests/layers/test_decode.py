@@ -34,6 +34,17 @@ def test_prefill_then_decode_matches_forward_fp32(variant, overrides):
     assert rel_max_err(decoded, full) < 1e-6
 
 
+def test_attention_algorithm_trains_and_prefill_takes_the_chunked_state():
+    """algorithm='attention' (the blocked form) gives the chunked model's logits; prefill
+    and decoding still run, on the state of the backend's chunked algorithm."""
+    chunked = randomized(tiny("conformal"))
+    blocked = randomized(tiny("conformal", algorithm="attention"))
+    toks = tokens(0)
+    full = full_logits(chunked, toks)
+    assert rel_max_err(full_logits(blocked, toks), full) < 1e-6
+    assert rel_max_err(decode_logits(blocked, toks, 5), full) < 1e-6
+
+
 @pytest.mark.parametrize("variant", ["softmax", "conformal"])
 def test_decode_from_empty_cache_matches_forward(variant):
     model = randomized(tiny(variant))

@@ -120,6 +120,7 @@ def test_train_step_gradients_learning_and_single_compile(variant):
     (dict(rotary="alibi"), "rotary must be one of"),
     (dict(attention="linear"), "attention must be one of"),
     (dict(impl="cuda"), "impl must be one of"),
+    (dict(algorithm="flash"), "algorithm must be one of"),
     (dict(chunk_size=0), "chunk_size must be a positive int"),
     (dict(attention="softmax", gating=True), "gating=True is only defined for sympow"),
     (dict(vocab_size=0), "vocab_size must be a positive int"),
