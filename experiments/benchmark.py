@@ -23,8 +23,10 @@ from absl import app, flags  # noqa: E402
 
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
-_IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS and 'cudnn' "
-                           "(default: the kernel tiers, cudnn, xla)")
+_IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS, each optionally "
+                           "with ':algorithm' (e.g. pallas:attention), and 'cudnn' (default: "
+                           "the kernel rows of the table, cudnn, xla)")
+_P = flags.DEFINE_integer("p", 2, "the power of the sympow cases")
 _REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")
 _CHUNK = flags.DEFINE_integer("chunk", None, "sympow chunk size (None: the impl's default)")
 _OUT = flags.DEFINE_string("out", None, "directory for benchmark.json / benchmark.png")
@@ -73,8 +75,10 @@ def attention_fn(impl: str, chunk: int | None = None):
     if impl == "cudnn":
         return lambda q, k, v, log_g: jax.nn.dot_product_attention(
             q, k, v, implementation="cudnn", is_causal=True)
-    return lambda q, k, v, log_g: sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl,
-                                                          chunk_size=chunk or _CHUNK.value)
+    backend, _, algorithm = impl.partition(":")
+    return lambda q, k, v, log_g: sympow.sympow_attention(
+        q, k, v, log_g, p=_P.value, impl=backend, algorithm=algorithm or None,
+        chunk_size=chunk or _CHUNK.value)
 
 
 def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
@@ -93,8 +97,8 @@ def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
     base = (device.memory_stats() or {}).get("bytes_in_use", 0)
     jax.block_until_ready(fwd_bwd(q, k, v, log_g))
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
-    return dict(impl=impl, t=t, h=h, b=_TOKENS.value // t, fwd_ms=timed(fwd, q, k, v, log_g,
-                                                                  reps=_REPS.value),
+    return dict(impl=impl, p=_P.value, t=t, h=h, b=_TOKENS.value // t,
+                fwd_ms=timed(fwd, q, k, v, log_g, reps=_REPS.value),
                 fwd_bwd_ms=timed(fwd_bwd, q, k, v, log_g, reps=_REPS.value),
                 peak_gib=peak / 2**30, inputs_gib=base / 2**30, device=device.device_kind,
                 jax=jax.__version__)
@@ -185,10 +189,13 @@ def impls() -> list[str]:
     from sympow.attention import implementations
 
     if _IMPLS.value is None:
-        return [*implementations.kernel_impls("gpu"), "cudnn", "xla"]
+        kernels = [f"{backend}:{algorithm}" for algorithm, backend in
+                   implementations.kernel_rows("gpu")]
+        return [*kernels, "cudnn", "xla"]
     for impl in _IMPLS.value:
         if impl != "cudnn":
-            implementations.check_impl(impl)
+            backend, _, algorithm = impl.partition(":")
+            implementations.check_impl(backend, algorithm or None)
     return list(_IMPLS.value)
 
 
@@ -197,11 +204,11 @@ def sweep() -> list[dict]:
     for h in map(int, _HEADS.value):
         for t in map(int, _TS.value):
             for impl in impls():
-                if impl == "xla" and t > _XLA_MAX_T.value:
+                if impl.startswith("xla") and t > _XLA_MAX_T.value:
                     results.append(dict(impl=impl, t=t, h=h, skipped=f"T > {_XLA_MAX_T.value}"))
                     continue
                 cmd = [sys.executable, __file__, f"--case={impl},{t},{h}",
-                       f"--reps={_REPS.value}", f"--tokens={_TOKENS.value}"]
+                       f"--reps={_REPS.value}", f"--tokens={_TOKENS.value}", f"--p={_P.value}"]
                 cmd += [f"--chunk={_CHUNK.value}"] if _CHUNK.value else []
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -218,15 +225,15 @@ def sweep() -> list[dict]:
 
 def report(results: list[dict]) -> None:
     cudnn = {(r["t"], r["h"]): r for r in results if r["impl"] == "cudnn" and "fwd_ms" in r}
-    print(f"\n{'impl':7s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
+    print(f"\n{'impl':16s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
           f"{'peak GiB':>9s}")
     for r in results:
         if "fwd_ms" not in r:
-            print(f"{r['impl']:7s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
+            print(f"{r['impl']:16s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
             continue
         base = cudnn.get((r["t"], r["h"]))
         ratio = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}x" if base else "       -"
-        print(f"{r['impl']:7s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+        print(f"{r['impl']:16s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
               f"{ratio} {r['peak_gib']:9.2f}")
     if not _OUT.value:
         return
@@ -249,7 +256,7 @@ def report(results: list[dict]) -> None:
                 line, = ax.plot(ts, fb, "o-", label=f"{impl} fwd+bwd")
                 ax.plot(ts, f, "x--", color=line.get_color(), label=f"{impl} fwd")
         ax.set(xscale="log", yscale="log", xlabel="T (B*T = 65536)", ylabel="ms",
-               title=f"bf16, H={h}, d=64, p=2, causal")
+               title=f"bf16, H={h}, d=64, p={_P.value}, causal")
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -1,14 +1,15 @@
 """Correctness of the kernel tiers on GPU (compiled, no interpreter): the checks of the
-tests (sympow.attention.testing) at sizes up to T=16384, for every kernel tier of the
-implementation table (`implementations.kernel_impls()`, today 'pallas') or --impls.
-Prints a table; exits non-zero on a failure.
+tests (sympow.attention.testing) at sizes up to T=16384, for every kernel row of the
+implementation table (`implementations.kernel_rows()`: today the Pallas tier's chunked
+algorithm and attention form), or those of --impls / --algorithms. Prints a table; exits
+non-zero on a failure.
 
   PYTHONPATH=. python3 experiments/gpu_check.py [--quick] [--json=$OUT/gpu_check.json]
 
 bf16: gold/ref/test of sympow.attention.testing (gold = the float32 oracle: the quadratic
-reference up to T=2048, the chunked pure-JAX 'xla' impl above). float32: relative L2 error.
-Adversarial inputs (zero queries/keys, norms 1e3, log_g = 0 and -1e4, T=1): finite outputs
-and gradients that match the oracle.
+reference up to T=2048, the blocked pure-JAX attention form above). float32: relative L2
+error. Adversarial inputs (zero queries/keys, norms 1e3, log_g = 0 and -1e4, T=1): finite
+outputs and gradients that match the oracle.
 """
 
 import json
@@ -25,23 +26,30 @@ from absl import app, flags  # noqa: E402
 _QUICK = flags.DEFINE_bool("quick", False, "a few small cases only")
 _MAX_T = flags.DEFINE_integer("max_t", 16384, "skip cases longer than this")
 _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
-_IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: the kernel tiers of "
-                           "the implementation table on this platform)")
+_IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
+_ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge"],
                           "random: the CASES; edge: T=1 and the adversarial inputs")
 
-# (case kwargs, dtypes); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
+BOTH = ("chunked", "attention")
+# (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
 CASES = [
-    (dict(t=45, d=32, e=32), ("float32", "bfloat16")),
-    (dict(t=45), ("float32", "bfloat16")),
-    (dict(t=1), ("float32", "bfloat16")),
-    (dict(t=1000, d=32, e=32, hq=4, hk=2, chunk=128, gating=False), ("float32", "bfloat16")),
-    (dict(t=1024, d=64, e=64, hq=8, hk=8, chunk=256), ("float32", "bfloat16")),
-    (dict(t=777, d=64, e=64, hq=6, hk=2, chunk=64), ("bfloat16",)),
-    (dict(t=2048, d=128, e=128, hq=4, hk=4, b=1, chunk=256), ("float32", "bfloat16")),
-    (dict(t=1024, p=4, d=16, e=64, hq=4, hk=2, chunk=64), ("float32", "bfloat16")),
-    (dict(t=512, p=4, d=32, e=32, hq=2, hk=2, b=1, chunk=128), ("float32", "bfloat16")),
-    (dict(t=16384, d=64, e=64, hq=4, hk=4, b=1, chunk=256), ("bfloat16",)),
+    (dict(t=45, d=32, e=32), ("float32", "bfloat16"), BOTH),
+    (dict(t=45), ("float32", "bfloat16"), BOTH),
+    (dict(t=1), ("float32", "bfloat16"), BOTH),
+    (dict(t=1000, d=32, e=32, hq=4, hk=2, chunk=128, gating=False), ("float32", "bfloat16"),
+     BOTH),
+    (dict(t=1024, d=64, e=64, hq=8, hk=8, chunk=256), ("float32", "bfloat16"), BOTH),
+    (dict(t=777, d=64, e=64, hq=6, hk=2, chunk=64), ("bfloat16",), BOTH),
+    (dict(t=2048, d=128, e=128, hq=4, hk=4, b=1, chunk=256), ("float32", "bfloat16"), BOTH),
+    (dict(t=1024, p=4, d=16, e=64, hq=4, hk=2, chunk=64), ("float32", "bfloat16"), BOTH),
+    (dict(t=512, p=4, d=32, e=32, hq=2, hk=2, b=1, chunk=128), ("float32", "bfloat16"), BOTH),
+    (dict(t=16384, d=64, e=64, hq=4, hk=4, b=1, chunk=256), ("bfloat16",), BOTH),
+    # The attention form only: shapes whose chunked states do not fit (p = 4 at d = 64, as in
+    # the papers; p = 6), and the widest heads.
+    (dict(t=4096, p=4, d=64, e=64, hq=4, hk=4, b=1), ("float32", "bfloat16"), ("attention",)),
+    (dict(t=1000, p=6, d=32, e=32, hq=4, hk=2), ("float32", "bfloat16"), ("attention",)),
+    (dict(t=512, d=256, e=256, hq=2, hk=2, b=1), ("float32", "bfloat16"), ("attention",)),
 ]
 QUICK = [0, 2, 4, 6, 7]
 ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
@@ -55,25 +63,30 @@ def main(argv):
     from sympow.attention import implementations, testing
 
     print(f"jax {jax.__version__}, devices {jax.devices()}, backend {jax.default_backend()}")
-    rows, failures = [], 0
+    results, failures = [], 0
     rng = np.random.default_rng(int(time.time()))
     selected = [CASES[i] for i in QUICK] if _QUICK.value else CASES
-    impls = _IMPLS.value or implementations.kernel_impls()
-    for impl in impls:
+    for impl in _IMPLS.value or ():
         implementations.check_impl(impl)
-    jobs = [(testing.Case(**kw), dt, "random") for kw, dts in selected for dt in dts]
+    for algorithm in _ALGORITHMS.value or ():
+        implementations.check_impl(None, algorithm)
+    rows = [(backend, algorithm) for algorithm, backend in implementations.kernel_rows()
+            if backend in (_IMPLS.value or (backend,))
+            and algorithm in (_ALGORITHMS.value or (algorithm,))]
+    jobs = [((backend, algorithm), testing.Case(**kw), dt, "random")
+            for kw, dts, algorithms in selected for dt in dts
+            for backend, algorithm in rows if algorithm in algorithms]
     if _ONLY.value == "edge":
-        jobs = [job for job in jobs if job[0].t == 1]
+        jobs = [job for job in jobs if job[1].t == 1]
     if _ONLY.value != "random":
-        jobs += [(testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
-                 for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
-    jobs = [(impl, *job) for impl in impls for job in jobs]
+        jobs += [(impl, testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
+                 for impl in rows for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for impl, case, dtype, kind in jobs:
             if case.t > _MAX_T.value:
                 continue
-            gold = "reference" if case.t <= 2048 else "xla"
+            gold = "reference" if case.t <= 2048 else ("xla", "attention")
             start = time.time()
             try:
                 args = testing.inputs(case, rng, kind=kind)
@@ -90,17 +103,18 @@ def main(argv):
                 got = [("error", float("nan"), "exception", False)]
             for name, err, note, ok in got:
                 failures += not ok
-                rows.append(dict(impl=impl, case=case.name, dtype=dtype, kind=kind, output=name,
-                                 err=err, note=note, ok=ok,
-                                 seconds=round(time.time() - start, 1)))
-                print(f"{impl:7s} {case.name:42s} {dtype:8s} {kind:12s} {name:6s} {err:9.2e} "
+                label = "/".join(impl)  # backend/algorithm
+                results.append(dict(impl=label, case=case.name, dtype=dtype, kind=kind,
+                                    output=name, err=err, note=note, ok=ok,
+                                    seconds=round(time.time() - start, 1)))
+                print(f"{label:16s} {case.name:42s} {dtype:8s} {kind:12s} {name:6s} {err:9.2e} "
                       f"{note:28s} {'ok' if ok else 'FAIL'}", flush=True)
     triton_warnings = [str(w.message) for w in caught if "Triton" in str(w.message)]
     print(f"Triton warnings that escaped the filter: {len(triton_warnings)}")
     print(f"other warnings: {sorted({str(w.message)[:100] for w in caught})[:10]}")
     if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps(rows, indent=1))
-    print(f"{len(rows) - failures}/{len(rows)} checks passed")
+        Path(_JSON.value).write_text(json.dumps(results, indent=1))
+    print(f"{len(results) - failures}/{len(results)} checks passed")
     sys.exit(1 if failures or triton_warnings else 0)
 
 

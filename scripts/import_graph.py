@@ -31,6 +31,7 @@ LAYERS = (
     "sympow.attention.pallas.phi", "sympow.attention.pallas.attention_kernels",
     "sympow.attention.pallas.state_kernels", "sympow.attention.pallas.prefix_kernels",
     "sympow.attention.pallas.vjps", "sympow.attention.pallas.primitives",
+    "sympow.attention.pallas.attention_form",
     "sympow.attention.pallas", "sympow.attention.implementations", "sympow.attention.api",
     "sympow.attention.testing", "sympow.attention",
     "sympow",  # the top-level public face: only the package's own __init__ is this layer

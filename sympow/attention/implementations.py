@@ -29,6 +29,7 @@ from sympow.attention import xla
 from sympow.attention.blocked import blocked_attention, default_block_size
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
+from sympow.attention.pallas import attention_form as pallas_attention_form
 from sympow.attention.pallas import plan as pallas_plan
 from sympow.attention.pallas import primitives as pallas_primitives
 from sympow.attention.reference import attention_form, recurrent_form
@@ -69,6 +70,10 @@ def _chunked(primitives: Callable[[AttentionConfig], ChunkPrimitives]) -> Callab
     return run
 
 
+def _pallas_attention_form(config: AttentionConfig, q, k, v, log_g):
+    return pallas_attention_form.attention_form(config, q, k, v, log_g), None
+
+
 def _blocked(config: AttentionConfig, q, k, v, log_g):
     return blocked_attention(q, k, v, log_g, p=config.p, block=config.chunk_size), None
 
@@ -88,6 +93,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,
                        default_chunk_size=pallas_plan.default_chunk_size),
+        Implementation("attention", "pallas", _pallas_attention_form,
+                       platforms=("gpu", "cpu"), default_on=("gpu",)),
         Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),
                        default_on=ANY_PLATFORM, has_state=True,
                        default_chunk_size=xla.default_chunk_size),
@@ -111,12 +118,17 @@ def available_impls(platform: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(row.backend for row in ordered))
 
 
-def kernel_impls(platform: str | None = None) -> tuple[str, ...]:
-    """Backends of kernel tiers (rows tied to some platforms) that run on `platform`: what the
-    GPU runner checks and the benchmark times by default."""
+def kernel_rows(platform: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Keys of the kernel tiers' rows (rows tied to some platforms) that run on `platform`:
+    what the GPU runner checks and the benchmark times by default."""
     platform = platform or jax.default_backend()
-    return tuple(dict.fromkeys(row.backend for row in IMPLEMENTATIONS.values()
-                               if row.platforms is not ANY_PLATFORM and row.runs_on(platform)))
+    return tuple(key for key, row in IMPLEMENTATIONS.items()
+                 if row.platforms is not ANY_PLATFORM and row.runs_on(platform))
+
+
+def kernel_impls(platform: str | None = None) -> tuple[str, ...]:
+    """Backends of the kernel tiers that run on `platform`."""
+    return tuple(dict.fromkeys(backend for _, backend in kernel_rows(platform)))
 
 
 def check_impl(impl: str | None, algorithm: str | None = None) -> None:

@@ -77,6 +77,9 @@ def inputs(case: Case, rng: np.random.Generator, *, kind: str = "random"):
     return f32(q), f32(k), f32(v), (f32(log_g) if case.gating else None), f32(dy)
 
 
+# An implementation to check: a backend (`impl=`), or (backend, algorithm).
+Impl = str | tuple[str, str]
+
 # Off GPU the kernels run in the Pallas interpreter, whose XLA programs take long to optimize
 # and run for milliseconds: compile them at the lowest optimization level.
 CPU_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
@@ -84,10 +87,13 @@ CPU_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == 
 
 @functools.partial(jax.jit, static_argnames=("impl", "p", "chunk"),
                    compiler_options=CPU_OPTIONS)
-def forward_and_grads(q, k, v, log_g, dy, *, impl: str, p: int, chunk: int):
+def forward_and_grads(q, k, v, log_g, dy, *, impl: Impl, p: int, chunk: int):
     """y and its vjp (dq, dk, dv, dlog_g) under cotangent dy, as a dict of float32 arrays."""
+    backend, algorithm = (impl, None) if isinstance(impl, str) else impl
+
     def f(q, k, v, log_g):
-        return sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=impl)
+        return sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl=backend,
+                                algorithm=algorithm)
 
     if log_g is None:
         y, vjp = jax.vjp(lambda q, k, v: f(q, k, v, None), q, k, v)
@@ -99,7 +105,7 @@ def forward_and_grads(q, k, v, log_g, dy, *, impl: str, p: int, chunk: int):
             for name, x in zip(OUTPUTS, (y, *grads), strict=True)}
 
 
-def run(case: Case, args, impl: str, dtype=jnp.float32):
+def run(case: Case, args, impl: Impl, dtype=jnp.float32):
     q, k, v, log_g, dy = args
     cast = lambda x: x.astype(dtype)  # noqa: E731
     return forward_and_grads(cast(q), cast(k), cast(v), log_g, dy, impl=impl, p=case.p,
@@ -111,7 +117,7 @@ def _l2(x, y=None) -> float:
     return float(np.linalg.norm(x if y is None else x - np.asarray(y, np.float64)))
 
 
-def check_bf16(case: Case, args, impl: str = "pallas", gold_impl: str = "reference",
+def check_bf16(case: Case, args, impl: Impl = "pallas", gold_impl: Impl = "reference",
                floor: float = 1e-2):
     """Rows (output, err_test, err_ref, bound, ok) of the gold/ref/test comparison.
 
@@ -140,7 +146,7 @@ def check_bf16(case: Case, args, impl: str = "pallas", gold_impl: str = "referen
     return rows
 
 
-def check_fp32(case: Case, args, impl: str = "pallas", gold_impl: str = "reference",
+def check_fp32(case: Case, args, impl: Impl = "pallas", gold_impl: Impl = "reference",
                tol: float = TOL_FP32, floor: float = 1e-2):
     """Rows (output, err, tol, ok) of the kernels against the float32 oracle.
 

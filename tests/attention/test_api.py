@@ -36,8 +36,8 @@ def test_output_dtype_follows_v(rng):
     (lambda a: {**a, "chunk_size": 2.5}, r"chunk_size must be a positive int"),
     (lambda a: {**a, "impl": "cuda"}, r"impl must be one of .* got impl='cuda'"),
     (lambda a: {**a, "algorithm": "flash"}, r"algorithm must be one of .* got algorithm='flash'"),
-    (lambda a: {**a, "impl": "pallas", "algorithm": "attention"},
-     r"impl='pallas' with algorithm='attention' is not available"),
+    (lambda a: {**a, "impl": "reference", "algorithm": "chunked"},
+     r"impl='reference' with algorithm='chunked' is not available"),
 ])
 def test_invalid_arguments_raise(rng, change, match):
     q, k, v, log_g = attention_inputs(rng, b=2, t=5, hq=4, hk=2, d=8, e=6)

@@ -12,12 +12,13 @@ from sympow.attention.pallas import plan as pallas_plan
 
 def test_keys_are_the_rows_algorithm_and_backend():
     assert list(impls.IMPLEMENTATIONS) == [
-        ("chunked", "pallas"), ("chunked", "xla"), ("attention", "xla"),
-        ("attention", "reference"), ("recurrent", "reference")]
+        ("chunked", "pallas"), ("attention", "pallas"), ("chunked", "xla"),
+        ("attention", "xla"), ("attention", "reference"), ("recurrent", "reference")]
     for (algorithm, backend), row in impls.IMPLEMENTATIONS.items():
         assert (row.algorithm, row.backend) == (algorithm, backend)
-        # Every row but the specification's has a chunk or block heuristic.
-        assert (row.default_chunk_size is not None) == (backend != "reference")
+    # The rows with a chunk (chunked) or block (blocked attention form) parameter.
+    assert {key for key, row in impls.IMPLEMENTATIONS.items() if row.default_chunk_size} == {
+        ("chunked", "pallas"), ("chunked", "xla"), ("attention", "xla")}
 
 
 def test_names_are_the_backends_and_algorithms_in_table_order():
@@ -34,16 +35,19 @@ def test_available_impls_put_the_platform_default_first(platform, expected):
     assert impls.available_impls(platform) == expected
 
 
-def test_kernel_impls_are_the_platform_bound_tiers():
-    assert impls.kernel_impls("gpu") == impls.kernel_impls("cpu") == ("pallas",)
-    assert impls.kernel_impls("tpu") == ()
+def test_kernel_rows_are_the_platform_bound_tiers():
+    assert impls.kernel_rows("gpu") == impls.kernel_rows("cpu") == (
+        ("chunked", "pallas"), ("attention", "pallas"))
+    assert impls.kernel_impls("gpu") == ("pallas",)
+    assert impls.kernel_rows("tpu") == impls.kernel_impls("tpu") == ()
 
 
 @pytest.mark.parametrize(("impl", "algorithm", "need_state", "platform", "key"), [
     (None, None, False, "gpu", ("chunked", "pallas")),
     (None, None, False, "cpu", ("chunked", "xla")),
     (None, None, True, "cpu", ("chunked", "xla")),
-    (None, "attention", False, "gpu", ("attention", "xla")),
+    (None, "attention", False, "gpu", ("attention", "pallas")),
+    (None, "attention", False, "cpu", ("attention", "xla")),
     ("pallas", None, False, "cpu", ("chunked", "pallas")),
     ("xla", "attention", False, "cpu", ("attention", "xla")),
     ("reference", None, False, "cpu", ("attention", "reference")),
@@ -63,9 +67,9 @@ def test_select_rejects_unknown_and_unavailable_choices():
         impls.select(None, "flash")
     with pytest.raises(ValueError, match=r"impl='pallas' is not available on backend 'tpu'"):
         impls.select("pallas", platform="tpu")
-    with pytest.raises(ValueError, match=r"impl='pallas' with algorithm='attention' is not "
+    with pytest.raises(ValueError, match=r"impl='reference' with algorithm='chunked' is not "
                                          r"available on backend 'cpu'"):
-        impls.select("pallas", "attention", platform="cpu")
+        impls.select("reference", "chunked", platform="cpu")
     with pytest.raises(ValueError, match=r"impl='xla' with algorithm='attention' is not "
                                          r"available on backend 'cpu' for a call that returns "
                                          r"the state; available \(algorithm, impl\): "

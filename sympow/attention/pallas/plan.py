@@ -62,7 +62,8 @@ class Plan:
     """Static, hashable settings of one problem shape (built by `make_plan`).
 
     p, d, e, c: power, key dim, value dim, chunk. dtype: input dtype name ('bfloat16' or
-    'float32'). tile: width t of the tiled embedding (F = n_tiles * t^p).
+    'float32'). mm: dtype name of the matrix-product operands and of the states between
+    kernels. tile: width t of the tiled embedding (F = n_tiles * t^p).
     attn_bq / attn_bk: query / key block of the intra-chunk attention kernels.
     state_br / state_be: row block and value-column block of the rows -> state kernel;
     query_br / query_split: row block of the phi(x) S kernels (query_state forward, the
@@ -79,6 +80,7 @@ class Plan:
     e: int
     c: int
     dtype: str
+    mm: str
     tile: int
     attn_bq: int
     attn_bk: int
@@ -113,8 +115,8 @@ class Plan:
 
     @property
     def mm_dtype(self):
-        """Operand dtype of the matrix products and of the states between kernels."""
-        return matmul_dtype(self.p, self.dtype)
+        """Operand dtype of the matrix products (accumulation is always float32)."""
+        return jnp.dtype(self.mm)
 
     @property
     def precision(self):
@@ -148,16 +150,37 @@ def _stages(tile_bytes: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Plan | str:
-    """The one heuristics function: block sizes for a problem, or the reason it is unsupported.
-
-    Each choice bounds the float32 register tiles of a kernel to about 64 KB per program.
-    """
+    """The one heuristics function: block sizes for a problem of the chunked algorithm, or the
+    reason it is unsupported."""
     reason = _unsupported(p, d, e, c, dtype)
     if reason is not None:
         return reason
+    return _plan(p, d, e, c, dtype, matmul_dtype(p, dtype).name, interpret)
+
+
+MAX_FORM_WIDTH = 256  # the widest d and e of the attention form (a [64, 256] f32 tile)
+
+
+@functools.lru_cache(maxsize=256)
+def make_form_plan(p: int, d: int, e: int, t: int, dtype: str, interpret: bool) -> Plan | str:
+    """Plan of the attention form on the attention kernels (`attention_form.py`): one chunk
+    of t rows (a power of two >= 16), any even p, d and e powers of two up to 256, matrix
+    products in the input dtype (the scores of bf16 inputs at bf16 operands stayed within the
+    shared suite's bound at p = 4: 1.4x ref's error, measured with the per-primitive split).
+    The state fields are those of `make_plan`; no state kernel runs on this plan."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (supported: {SUPPORTED_DTYPES})"
+    if max(d, e) > MAX_FORM_WIDTH:
+        return f"d={d}, e={e} (supported: up to {MAX_FORM_WIDTH})"
+    return _plan(p, d, e, t, dtype, dtype, interpret)
+
+
+def _plan(p: int, d: int, e: int, c: int, dtype: str, mm: str, interpret: bool) -> Plan:
+    """Block sizes, warps and stages; each choice bounds the float32 register tiles of a kernel
+    to about 64 KB per program."""
     itemsize = jnp.dtype(dtype).itemsize
     return Plan(
-        p=p, d=d, e=e, c=c, dtype=dtype, tile=tile_width(d, p),
+        p=p, d=d, e=e, c=c, dtype=dtype, mm=mm, tile=tile_width(d, p),
         # Attention: [bq, bk] scores plus [bq, e] accumulator; 64 x 64 keeps both small for
         # d, e <= 128 and gives C / 64 query blocks of parallelism per chunk.
         attn_bq=min(c, 64), attn_bk=min(c, 64),
@@ -184,7 +207,7 @@ def make_plan(p: int, d: int, e: int, c: int, dtype: str, interpret: bool) -> Pl
         stages=3,
         attn_stages=_stages(2 * 64 * (d + e) * itemsize),  # k and v (q and dO) tiles
         # One [256, E] state tile (matmul dtype) per step.
-        rows_stages=_stages(tile_width(d, p) ** p * e * matmul_dtype(p, dtype).itemsize),
+        rows_stages=_stages(tile_width(d, p) ** p * e * jnp.dtype(mm).itemsize),
         interpret=interpret,
     )
 

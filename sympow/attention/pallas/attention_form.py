@@ -1,0 +1,63 @@
+"""The attention form on the tier's attention kernels: one chunk that covers the sequence.
+
+The chunked algorithm's intra-chunk attention (attention_kernels.py) is flash-style already:
+a query block walks the key blocks up to the diagonal with an online row max in log space,
+and its backward recomputes the weights from the saved row max, so nothing of size
+[C, C] is stored. With C = T (one chunk) it is the whole attention form, with no phi and no
+state: O(T) memory, any even p. Y = o / den then needs no inter-chunk terms.
+
+Per score the kernels evaluate two transcendentals, log|Q_i . K_j| and one exp (softmax
+needs the exp only): the power is taken in log space so that no power under- or overflows
+whatever p and the norms (docs/design.md §4). The backward recomputes both.
+
+Shapes the kernels do not take run padded: T to a power of two >= 16 (zero rows: zero keys
+add nothing, causality keeps padded queries out of real rows), d and e to powers of two
+>= 16 (zero columns change no score and no output). Beyond `plan.MAX_FORM_WIDTH` or for
+other dtypes it falls back to the blocked pure-JAX form, with a logged reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax.numpy as jnp
+
+from sympow.attention.blocked import blocked_attention, default_block_size
+from sympow.attention.chunked import from_chunks, normalize_queries_and_keys, to_chunks
+from sympow.attention.config import AttentionConfig
+from sympow.attention.pallas import vjps
+from sympow.attention.pallas.plan import make_form_plan, padded_width
+from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
+from sympow.numerics import compute_dtype, safe_divide
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+    logger.warning("sympow impl='pallas', algorithm='attention' falls back to 'xla' for %s",
+                   reason)
+
+
+def _pad_last(x, size: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
+                   log_g: LogGates | None) -> Outputs:
+    """Causal gated sympow attention, float32 [B, T, Hq, E]; see the module docstring."""
+    t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
+    plan = make_form_plan(config.p, padded_width(d), padded_width(e), padded_width(t),
+                          jnp.dtype(q.dtype).name, config.interpret)
+    if isinstance(plan, str):
+        _log_fallback(plan)
+        return blocked_attention(q, k, v, log_g, p=config.p, block=default_block_size(t))
+    q, k, _ = normalize_queries_and_keys(q, k)  # as the chunked driver: |Q_i . K_j| <= 1
+    ct = compute_dtype(q, k, v)
+    log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
+    qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
+    vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
+    g = jnp.cumsum(to_chunks(log_g, 1, plan.c), axis=-1)  # [B, Hk, 1, C]
+    o, den, _ = vjps.attention(plan, qc, kc, vc, g)  # m: a row max, no gradient
+    return from_chunks(safe_divide(o, den), t)[..., :e]

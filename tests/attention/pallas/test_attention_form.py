@@ -1,0 +1,88 @@
+"""The attention form on the tier's attention kernels (attention_form.py): the shared suite
+for impl='pallas', algorithm='attention' in the interpreter, any even p, padded widths, the
+kernels in the program, lowering to Triton and the logged fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import sympow
+from sympow.attention import testing
+from sympow.attention.api import make_config
+from sympow.attention.pallas import attention_form
+from sympow.attention.testing import attention_inputs, rel_err
+from tests.attention.suite import AttentionSuite
+
+FORM = dict(impl="pallas", algorithm="attention")
+KERNELS = {"sympow_attention_fwd"}
+BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv"}
+
+
+class TestPallasAttentionForm(AttentionSuite):
+    impl = "pallas"
+    algorithm = "attention"
+    chunk = None
+
+
+@pytest.mark.parametrize(("p", "t", "d", "e", "heads"), [
+    (6, 37, 16, 8, (4, 2)), (8, 20, 16, 16, (2, 1)), (2, 70, 24, 6, (2, 2))])
+def test_any_even_p_and_padded_widths_match_the_reference(rng, p, t, d, e, heads):
+    q, k, v, log_g = attention_inputs(rng, t=t, d=d, e=e, hq=heads[0], hk=heads[1])
+    cotangent = jnp.asarray(rng.normal(size=(2, t, heads[0], e)), jnp.float32)
+
+    def value_and_grads(**kw):
+        def loss(*args):
+            return jnp.sum(sympow.sympow_attention(*args, p=p, **kw) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, log_g)
+
+    (_, want), (_, got) = value_and_grads(impl="reference"), value_and_grads(**FORM)
+    assert rel_err(sympow.sympow_attention(q, k, v, log_g, p=p, **FORM),
+                   sympow.sympow_attention(q, k, v, log_g, p=p, impl="reference")) < 1e-5
+    for name, x, y in zip("dq dk dv dlog_g".split(), got, want, strict=True):
+        assert rel_err(x, y) < 2e-5, name
+
+
+def loss(q, k, v, log_g, *, p):
+    return jnp.sum(sympow.sympow_attention(q, k, v, log_g, p=p, **FORM))
+
+
+def test_forward_and_backward_run_the_attention_kernels_only(rng):
+    q, k, v, log_g = attention_inputs(rng, t=40, d=16, e=8)
+    fwd = functools.partial(loss, p=4)
+    assert set(testing.pallas_call_names(fwd, q, k, v, log_g)) == KERNELS
+    names = testing.pallas_call_names(jax.grad(fwd, argnums=(0, 1, 2, 3)), q, k, v, log_g)
+    assert set(names) == KERNELS | BACKWARD_KERNELS
+
+
+@pytest.mark.parametrize(("p", "t", "d", "dtype"), [(4, 100, 64, jnp.bfloat16),
+                                                    (2, 1000, 128, jnp.float32)])
+def test_triton_lowering(p, t, d, dtype):
+    """fwd+bwd lower to Triton IR for CUDA from this CPU (compiling needs a GPU:
+    experiments/gpu_check.py)."""
+    config = dataclasses.replace(make_config(t, p, None, "pallas", "attention"), interpret=False)
+
+    def fwd_bwd(q, k, v, log_g, dy):
+        _, vjp = jax.vjp(lambda *a: attention_form.attention_form(config, *a), q, k, v, log_g)
+        return vjp(dy)
+
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, t, 4, d), dtype), spec((1, t, 2, d), dtype), spec((1, t, 2, d), dtype),
+            spec((1, t, 2), jnp.float32), spec((1, t, 4, d), jnp.float32))
+    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == len(KERNELS | BACKWARD_KERNELS)
+
+
+def test_too_wide_heads_fall_back_with_a_logged_reason(rng, caplog):
+    q, k, v, log_g = attention_inputs(rng, t=9, d=512, e=8)
+    with caplog.at_level(logging.WARNING, logger="sympow.attention.pallas.attention_form"):
+        attention_form._log_fallback.cache_clear()
+        assert testing.pallas_call_names(functools.partial(loss, p=2), q, k, v, log_g) == []
+    assert "falls back to 'xla' for d=512, e=16 (supported: up to 256)" in caplog.text
+    got = sympow.sympow_attention(q, k, v, log_g, p=2, **FORM)
+    assert rel_err(got, sympow.sympow_attention(q, k, v, log_g, p=2, impl="reference")) < 1e-5
