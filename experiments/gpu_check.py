@@ -28,6 +28,7 @@ _MAX_T = flags.DEFINE_integer("max_t", 16384, "skip cases longer than this")
 _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
+_CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
 _ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge"],
                           "random: the CASES; edge: T=1 and the adversarial inputs")
 
@@ -76,6 +77,8 @@ def main(argv):
     jobs = [((backend, algorithm), testing.Case(**kw), dt, "random")
             for kw, dts, algorithms in selected for dt in dts
             for backend, algorithm in rows if algorithm in algorithms]
+    if _CASES.value:
+        jobs = [job for job in jobs if _CASES.value in job[1].name]
     if _ONLY.value == "edge":
         jobs = [job for job in jobs if job[1].t == 1]
     if _ONLY.value != "random":

@@ -114,7 +114,7 @@ def test_rotary_and_gating_commute_with_the_kernels(rng):
     q, k = (jnp.asarray(rng.normal(size=(1, t, 1, d)), jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.normal(size=(1, t, 1, 3)), jnp.float32)
     y = sympow.sympow_attention(sympow.apply_rotary(q, angles), sympow.apply_rotary(k, angles), v,
-                                p=p, impl="xla", chunk_size=4)
+                                p=p, impl="xla", algorithm="chunked", chunk_size=4)
     mu = np.cumsum(np.asarray(beta[0, :, 0]))
     for i in range(t):
         rel = [np.asarray(sympow.apply_rotary(q[0, i, 0], (mu[i] - mu[j]) * theta)) for j in

@@ -82,10 +82,16 @@ def check_settings(*, p, chunk_size, impl, algorithm=None) -> None:
 
 
 def make_config(length: int, p: int, chunk_size: int | None, impl: str | None,
-                algorithm: str | None = None, *, need_state: bool = False) -> AttentionConfig:
-    """Choose the implementation and fill in the defaults: the frozen config of one call."""
+                algorithm: str | None = None, *, need_state: bool = False,
+                widths: tuple[int, int] | None = None) -> AttentionConfig:
+    """Choose the implementation and fill in the defaults: the frozen config of one call.
+
+    widths: (d, e) of the call, so the cost model can choose the algorithm (otherwise the
+    first row of the backend in table order)."""
     check_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm)
-    row = implementations.select(impl, algorithm, need_state=need_state)
+    shape = None if widths is None else (p, *widths, length)
+    row = implementations.select(impl, algorithm, need_state=need_state, shape=shape,
+                                 chunk_size=chunk_size)
     if row.default_chunk_size is None:
         chunk_size = None  # the row has no chunk or block
     elif chunk_size is None:
@@ -155,15 +161,17 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
         platform; 'pallas' (Pallas kernels; Triton on GPU, the interpreter elsewhere) |
         'xla' (pure JAX) | 'reference' (the specification; O(T^2) memory).
       algorithm: 'chunked' (linear in T: the chunked algorithm over per-chunk states) |
-        'attention' (the attention form, quadratic in T; with impl='xla' computed block by
-        block in O(T x block) memory) | None: the first the backend has, in the order of
-        `sympow.attention.IMPLEMENTATIONS` (chunked for 'pallas' and 'xla').
+        'attention' (the attention form, quadratic in T, O(T x block) memory: flash-style
+        kernels for 'pallas', blocked pure JAX for 'xla') | None: the backend's algorithm of
+        least estimated cost for (p, d, e, T) (docs/design.md §5.1: the attention form up
+        to T ~ 4k at p = 2, d = e = 64; always at p = 4, d = 64).
 
     Returns:
       [B, T, Hq, E] in v's dtype (accumulated in float32).
     """
     validate_inputs(q, k, v, log_g, p)
-    config = make_config(q.shape[1], p, chunk_size, impl, algorithm)
+    config = make_config(q.shape[1], p, chunk_size, impl, algorithm,
+                         widths=(q.shape[-1], v.shape[-1]))
     return _attention_jit(config, q, k, v, log_g)
 
 
@@ -179,7 +187,8 @@ def prefill(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *, p:
     to continue with `decode_step`.
     """
     validate_inputs(q, k, v, log_g, p)
-    config = make_config(q.shape[1], p, chunk_size, impl, algorithm, need_state=True)
+    config = make_config(q.shape[1], p, chunk_size, impl, algorithm, need_state=True,
+                         widths=(q.shape[-1], v.shape[-1]))
     return _prefill(config, q, k, v, log_g)
 
 

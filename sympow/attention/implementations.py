@@ -13,9 +13,23 @@ time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
              'reference' the specification forms (reference.py)
 
 The public `impl=` argument names a backend and `algorithm=` an algorithm; either may be
-None. The first row, in table order, that matches both, runs on the platform and gives what
-the call needs (the final state, for `prefill`) is used; with `impl=None` only rows whose
-backend is a default on the platform count.
+None. Among the rows that match both, run on the platform and give what the call needs (the
+final state, for `prefill`) — with `impl=None` the rows of the first backend, in table
+order, that is a default on the platform — the one of least estimated cost is used when the
+call's shape is known and more than one row has a cost model, else the first in table order.
+
+Cost model (seconds per token and head, fwd + bwd), constants measured on an H100 (jax
+0.11.2, bf16, H = 12, d = e = 64, B T = 65,536; docs/benchmarks.md):
+
+  attention form  ATTENTION_COST (T / 2) (d + e)     the causal (query, key) pairs
+  chunked         STATE_COST F E + ATTENTION_COST (C / 2) (d + e)    states + chunk blocks
+
+with F the state features of the row's layout and C its chunk. ATTENTION_COST is the
+attention-form kernel's time at T = 65536 (273 ms); STATE_COST the rest of the chunked
+kernels' time at T = 65536 (16.7 ms). The crossover for p = 2, d = e = 64 falls near
+T = 4k (measured: 19.2 vs 17.0 ms at 4096, 6.2 vs 17.3 ms at 1024); at p = 4, d = 64 the
+chunked states (F = 992,256) put it beyond any context, so training takes the attention
+form. The xla rows use the same constants: the ratio, not measured separately.
 """
 
 from __future__ import annotations
@@ -33,8 +47,23 @@ from sympow.attention.pallas import attention_form as pallas_attention_form
 from sympow.attention.pallas import plan as pallas_plan
 from sympow.attention.pallas import primitives as pallas_primitives
 from sympow.attention.reference import attention_form, recurrent_form
+from sympow.embedding import expanded_dim
 
 ANY_PLATFORM = None
+ATTENTION_COST = 8.3e-14  # s per causal (query, key) pair and (d + e) / 2
+STATE_COST = 1.13e-13  # s per state feature and value column, per token
+
+
+def attention_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
+    """Estimated seconds per token and head of the attention form (module docstring)."""
+    return ATTENTION_COST * t / 2 * (d + e)
+
+
+def chunked_cost(features: Callable[[int, int], int]) -> Callable[..., float]:
+    """The chunked algorithm's estimate, with F = features(d, p) of the row's layout."""
+    def cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
+        return STATE_COST * features(d, p) * e + ATTENTION_COST * (chunk or t) / 2 * (d + e)
+    return cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +75,7 @@ class Implementation:
     impl=None may choose it. has_state: `run` returns the recurrent state after the last
     token (what `prefill` needs). default_chunk_size(T): the chunk (chunked algorithm) or
     block (blocked attention form) when the caller gives none; None for rows without one.
+    cost(p, d, e, T, chunk): estimated seconds per token and head (None: no model).
     """
 
     algorithm: str
@@ -55,6 +85,7 @@ class Implementation:
     default_on: tuple[str, ...] | None = ()
     has_state: bool = False
     default_chunk_size: Callable[[int], int] | None = None
+    cost: Callable[..., float] | None = None
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is ANY_PLATFORM or platform in self.platforms
@@ -92,14 +123,17 @@ IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
         # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,
-                       default_chunk_size=pallas_plan.default_chunk_size),
+                       default_chunk_size=pallas_plan.default_chunk_size,
+                       cost=chunked_cost(lambda d, p: expanded_dim(
+                           d, p, pallas_plan.tile_width(d, p)))),
         Implementation("attention", "pallas", _pallas_attention_form,
-                       platforms=("gpu", "cpu"), default_on=("gpu",)),
+                       platforms=("gpu", "cpu"), default_on=("gpu",), cost=attention_cost),
         Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),
                        default_on=ANY_PLATFORM, has_state=True,
-                       default_chunk_size=xla.default_chunk_size),
+                       default_chunk_size=xla.default_chunk_size,
+                       cost=chunked_cost(expanded_dim)),
         Implementation("attention", "xla", _blocked, default_on=ANY_PLATFORM,
-                       default_chunk_size=default_block_size),
+                       default_chunk_size=default_block_size, cost=attention_cost),
         Implementation("attention", "reference", _attention_form),
         Implementation("recurrent", "reference", _recurrent_form, has_state=True),
     )
@@ -141,16 +175,29 @@ def check_impl(impl: str | None, algorithm: str | None = None) -> None:
 
 
 def select(impl: str | None, algorithm: str | None = None, *, need_state: bool = False,
-           platform: str | None = None) -> Implementation:
-    """The row that runs a call: see the module docstring. ValueError naming impl and
-    algorithm (and the platform) when no row fits."""
+           platform: str | None = None, shape: tuple[int, int, int, int] | None = None,
+           chunk_size: int | None = None) -> Implementation:
+    """The row that runs a call: see the module docstring. shape: (p, d, e, T) of the call,
+    for the cost model. ValueError naming impl and algorithm (and the platform) when no row
+    fits."""
     check_impl(impl, algorithm)
     platform = platform or jax.default_backend()
-    for row in IMPLEMENTATIONS.values():
-        chosen = row.is_default_on(platform) if impl is None else row.backend == impl
-        if (chosen and algorithm in (None, row.algorithm) and row.runs_on(platform)
-                and (row.has_state or not need_state)):
-            return row
+    rows = [row for row in IMPLEMENTATIONS.values()
+            if (row.is_default_on(platform) if impl is None else row.backend == impl)
+            and algorithm in (None, row.algorithm) and row.runs_on(platform)
+            and (row.has_state or not need_state)]
+    rows = [row for row in rows if row.backend == rows[0].backend] if rows else rows
+    modelled = [row for row in rows if row.cost is not None]
+    if shape is not None and len(modelled) > 1:
+        p, d, e, t = shape
+
+        def cost(row: Implementation) -> float:
+            chunk = chunk_size or (row.default_chunk_size and row.default_chunk_size(t))
+            return row.cost(p, d, e, t, chunk)
+
+        return min(modelled, key=cost)  # the first of equal costs
+    if rows:
+        return rows[0]
     what = f"impl={impl!r}" + ("" if algorithm is None else f" with algorithm={algorithm!r}")
     rows = [key for key, row in IMPLEMENTATIONS.items() if row.runs_on(platform)
             and (row.has_state or not need_state)]

@@ -117,7 +117,7 @@ def _l2(x, y=None) -> float:
     return float(np.linalg.norm(x if y is None else x - np.asarray(y, np.float64)))
 
 
-def check_bf16(case: Case, args, impl: Impl = "pallas", gold_impl: Impl = "reference",
+def check_bf16(case: Case, args, impl: Impl, gold_impl: Impl = "reference",
                floor: float = 1e-2):
     """Rows (output, err_test, err_ref, bound, ok) of the gold/ref/test comparison.
 
@@ -146,7 +146,7 @@ def check_bf16(case: Case, args, impl: Impl = "pallas", gold_impl: Impl = "refer
     return rows
 
 
-def check_fp32(case: Case, args, impl: Impl = "pallas", gold_impl: Impl = "reference",
+def check_fp32(case: Case, args, impl: Impl, gold_impl: Impl = "reference",
                tol: float = TOL_FP32, floor: float = 1e-2):
     """Rows (output, err, tol, ok) of the kernels against the float32 oracle.
 

@@ -3,6 +3,9 @@ row chosen for each platform, impl and need."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from sympow.attention import implementations as impls
@@ -87,3 +90,39 @@ def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
     assert make_config(300, 2, None, "xla", "attention").chunk_size == 128
     assert impls.lookup(make_config(100, 2, None, "reference", need_state=True)) is \
         impls.IMPLEMENTATIONS["recurrent", "reference"]
+
+
+@pytest.mark.parametrize(("p", "d", "t", "platform", "need_state", "key"), [
+    (2, 64, 1024, "gpu", False, ("attention", "pallas")),
+    (2, 64, 4096, "gpu", False, ("chunked", "pallas")),
+    (2, 64, 65536, "gpu", False, ("chunked", "pallas")),
+    (4, 64, 65536, "gpu", False, ("attention", "pallas")),
+    (4, 64, 1024, "gpu", True, ("chunked", "pallas")),  # prefill needs the state
+    (2, 16, 37, "cpu", False, ("attention", "xla")),
+    (2, 64, 65536, "cpu", False, ("chunked", "xla")),
+])
+def test_cost_model_chooses_the_algorithm(p, d, t, platform, need_state, key):
+    row = impls.select(None, need_state=need_state, platform=platform, shape=(p, d, d, t))
+    assert (row.algorithm, row.backend) == key
+
+
+BENCHMARK = (Path(__file__).parents[2] / "docs" / "benchmark_data"
+             / "h100_attention_form_p2_h12_2026-11-23.json")
+
+
+def test_cost_constants_reproduce_the_recorded_h100_run():
+    """The constants are read off this run (B T = 65536, H = 12, p = 2, d = e = 64): the model
+    gives its times at T = 65536 and orders the two algorithms as measured at every T."""
+    measured = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3 for r in json.loads(
+        BENCHMARK.read_text()) if "fwd_bwd_ms" in r}
+    rows = {"pallas:attention": impls.IMPLEMENTATIONS["attention", "pallas"],
+            "pallas:chunked": impls.IMPLEMENTATIONS["chunked", "pallas"]}
+
+    def model(name, t):
+        return rows[name].cost(2, 64, 64, t, pallas_plan.default_chunk_size(t)) * 65536 * 12
+
+    for name in rows:
+        assert model(name, 65536) == pytest.approx(measured[name, 65536], rel=0.1), name
+    for t in (1024, 4096, 16384, 65536):
+        faster = min(rows, key=lambda name: measured[name, t])
+        assert min(rows, key=lambda name: model(name, t)) == faster, t

@@ -8,6 +8,7 @@ from tests.attention.suite import AttentionSuite
 
 class TestXla(AttentionSuite):
     impl = "xla"
+    algorithm = "chunked"
 
 
 def test_default_chunk_size_covers_short_sequences_and_caps_at_64():

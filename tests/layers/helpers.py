@@ -17,9 +17,10 @@ VOCAB = 48
 
 
 def tiny(variant: str, **overrides) -> GPTConfig:
-    """2 layers, 4 query heads over 2 key/value heads (grouped), head dim 8, chunk 4."""
+    """2 layers, 4 query heads over 2 key/value heads (grouped), head dim 8, the chunked
+    algorithm with chunk 4."""
     fields = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32, chunk_size=4,
-                  impl="xla", max_length=32)
+                  impl="xla", algorithm="chunked", max_length=32)
     return GPTConfig.preset(variant, size="tiny", **{**fields, **overrides})
 
 

@@ -142,6 +142,12 @@ def matmul_dtype(p: int, dtype: str):
     return jnp.dtype(jnp.float32 if p >= 4 else dtype)
 
 
+def attn_rows(d: int, e: int, itemsize: int) -> int:
+    """Rows of the attention kernels' blocks: 64, or 32 where two 64-row tiles of k and v
+    would pass the 160 KB `_stages` budgets for pipelining."""
+    return 64 if 2 * 64 * (d + e) * itemsize <= (160 << 10) else 32
+
+
 def _stages(tile_bytes: int) -> int:
     """Software-pipelining depth whose buffers fit in 160 KB of the 227 KB of shared memory
     of an H100 (d = e = 128 asked for 330 KB at 3 stages), leaving room for the operands."""
@@ -182,8 +188,10 @@ def _plan(p: int, d: int, e: int, c: int, dtype: str, mm: str, interpret: bool) 
     return Plan(
         p=p, d=d, e=e, c=c, dtype=dtype, mm=mm, tile=tile_width(d, p),
         # Attention: [bq, bk] scores plus [bq, e] accumulator; 64 x 64 keeps both small for
-        # d, e <= 128 and gives C / 64 query blocks of parallelism per chunk.
-        attn_bq=min(c, 64), attn_bk=min(c, 64),
+        # d, e <= 128 and gives C / 64 query blocks of parallelism per chunk. 32 rows where
+        # one stage of 64-row k and v tiles would not fit in shared memory (float32 with
+        # d = e = 256 asked for 256 KB of the H100's 227 KB).
+        attn_bq=min(c, attn_rows(d, e, itemsize)), attn_bk=min(c, attn_rows(d, e, itemsize)),
         # rows -> state: [256, br] phi^T per step into a [256, be] accumulator. br = 128 was
         # slower on H100 (update_state fwd 4.1 vs 2.4 ms at T=65536, H=8; docs/kernels.md).
         state_br=min(c, 64),
@@ -205,7 +213,8 @@ def _plan(p: int, d: int, e: int, c: int, dtype: str, mm: str, interpret: bool) 
         # 3 stages: 2-15% faster than 2 on every kernel, within noise on none worse; fewer
         # where 3 copies of a loop's tiles would not fit in shared memory (d or e = 128).
         stages=3,
-        attn_stages=_stages(2 * 64 * (d + e) * itemsize),  # k and v (q and dO) tiles
+        # k and v (q and dO) tiles
+        attn_stages=_stages(2 * attn_rows(d, e, itemsize) * (d + e) * itemsize),
         # One [256, E] state tile (matmul dtype) per step.
         rows_stages=_stages(tile_width(d, p) ** p * e * jnp.dtype(mm).itemsize),
         interpret=interpret,

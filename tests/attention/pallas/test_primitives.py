@@ -20,6 +20,8 @@ from sympow.attention.testing import attention_inputs, rel_err
 from sympow.embedding import expanded_dim
 from tests.attention.suite import AttentionSuite
 
+CHUNKED = dict(impl="pallas", algorithm="chunked")
+CHUNKED_ROW = ("pallas", "chunked")  # (backend, algorithm) for sympow.attention.testing
 FORWARD_KERNELS = {"sympow_attention_fwd", "sympow_update_state", "sympow_prefix_sum",
                    "sympow_query_state"}
 BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv", "sympow_update_state_dk",
@@ -29,6 +31,7 @@ BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv", "sympow_updat
 
 class TestPallas(AttentionSuite):
     impl = "pallas"
+    algorithm = "chunked"
 
 
 # ---------------------------------------------------------------------------------------
@@ -40,18 +43,19 @@ E2E = [testing.Case(t=70, p=2, d=32, e=32, hq=4, hk=2, chunk=32),
 
 @pytest.mark.parametrize("case", E2E, ids=lambda c: c.name)
 def test_bf16_gold_ref_test(rng, case):
-    for name, err_test, err_ref, bound, ok in testing.check_bf16(case, testing.inputs(case, rng)):
+    args = testing.inputs(case, rng)
+    for name, err_test, err_ref, bound, ok in testing.check_bf16(case, args, CHUNKED_ROW):
         assert ok, f"{name}: |gold-test| {err_test:.3e} > bound {bound:.3e} (ref {err_ref:.3e})"
 
 
 @pytest.mark.parametrize("case", E2E, ids=lambda c: c.name)
 def test_fp32_matches_reference(rng, case):
-    for name, err, tol, ok in testing.check_fp32(case, testing.inputs(case, rng)):
+    for name, err, tol, ok in testing.check_fp32(case, testing.inputs(case, rng), CHUNKED_ROW):
         assert ok, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
 def loss(q, k, v, log_g, *, p, chunk):
-    return jnp.sum(sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, impl="pallas"))
+    return jnp.sum(sympow.sympow_attention(q, k, v, log_g, p=p, chunk_size=chunk, **CHUNKED))
 
 
 @pytest.mark.parametrize(("p", "d", "e", "chunk"), [(2, 16, 8, 16), (4, 16, 16, 24)])
@@ -93,7 +97,7 @@ def test_unsupported_shapes_fall_back_with_a_logged_reason(rng, caplog):
         assert testing.pallas_call_names(fwd, q, k, v, log_g) == []
     assert "falls back to 'xla' for d=8 with p=2" in caplog.text
     expected = sympow.sympow_attention(q, k, v, log_g, p=2, impl="reference")
-    assert rel_err(sympow.sympow_attention(q, k, v, log_g, p=2, impl="pallas"), expected) < 1e-5
+    assert rel_err(sympow.sympow_attention(q, k, v, log_g, p=2, **CHUNKED), expected) < 1e-5
 
 
 def test_prefill_state_matches_xla_and_decoding_continues(rng):
