@@ -15,11 +15,12 @@ Arg: a variant (softmax | sympow | sympow_gating, alias gating | conformal; defa
 conformal), ``p=4``, ``context=N``, ``steps=N``, ``runlocal`` (a ~20-step smoke run), e.g.
 ``--config configs/quickstart.py:softmax,steps=100``.
 
-Expected result (2-core CPU, jax 0.10.2; deterministic, so the numbers repeat exactly): the
-training loss falls from 10.82 (~ln 50304) to 8.66 at step 20, 6.46 at step 100 and 6.12 at
-step 200 (summary ``final_loss`` 6.196, the mean of the last 20 steps), in about 2 minutes on
-an idle 2-core machine (experiments/demo.sh with evaluation: 2 min 16 s). Contextwise held-out
-loss (Persuasion, 16 windows of 2,048 tokens): mean 6.55 over 1..2048, roughly flat in position
+Expected result (2-core CPU, jax 0.10.2; deterministic, so the numbers repeat exactly; the
+automatic choice runs the attention form at this context, docs/design.md §5.1): the training
+loss falls from 10.82 (~ln 50304) to 8.67 at step 20, 6.46 at step 100 and 6.15 at step 200
+(summary ``final_loss`` 6.228, the mean of the last 20 steps), in about 2 minutes on an idle
+2-core machine (experiments/demo.sh with evaluation: 2 min 7 s). Contextwise held-out loss
+(Persuasion, 16 windows of 2,048 tokens): mean 6.58 over 1..2048, roughly flat in position
 past the first few tokens (200 steps is too short to learn much use of long context; with 16
 windows the curve is noisy below ~64 positions), and no rise beyond the training context 256.
 """
