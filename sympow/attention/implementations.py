@@ -50,7 +50,7 @@ from sympow.attention.reference import attention_form, recurrent_form
 from sympow.embedding import expanded_dim
 
 ANY_PLATFORM = None
-ATTENTION_COST = 8.3e-14  # s per causal (query, key) pair and (d + e) / 2
+ATTENTION_COST = 8.3e-14  # s per causal (query, key) pair and unit of d + e
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 
 
