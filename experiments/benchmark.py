@@ -137,7 +137,7 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
 
     jax.clear_caches()  # the public API's jit would reuse the previous variant's kernels
     chunk = override_plans(spec) or _CHUNK.value
-    config = make_config(t, 2, chunk, "pallas")
+    config = make_config(t, 2, chunk, "pallas", "chunked")
     c = config.chunk_size
     q, k, v, log_g, _ = make_inputs(t, h)
     n = t // c

@@ -100,9 +100,14 @@ def make_config(length: int, p: int, chunk_size: int | None, impl: str | None,
                            chunk_size=chunk_size, interpret=jax.default_backend() != "gpu")
 
 
+def _run(config: AttentionConfig, q, k, v, log_g) -> tuple[Array, SympowState | None]:
+    """(y in v's dtype, the final state or None) of the config's implementation."""
+    y, state = implementations.lookup(config).run(config, q, k, v, log_g)
+    return y.astype(v.dtype), state
+
+
 def _forward(config: AttentionConfig, q, k, v, log_g) -> Array:
-    y, _ = implementations.lookup(config).run(config, q, k, v, log_g)
-    return y.astype(v.dtype)
+    return _run(config, q, k, v, log_g)[0]
 
 
 class Residuals(NamedTuple):
@@ -134,8 +139,7 @@ _attention_jit = jax.jit(_attention, static_argnums=0)
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(config: AttentionConfig, q, k, v, log_g):
-    y, state = implementations.lookup(config).run(config, q, k, v, log_g)
-    return y.astype(v.dtype), state
+    return _run(config, q, k, v, log_g)
 
 
 def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *,

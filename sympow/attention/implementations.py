@@ -160,10 +160,6 @@ def kernel_rows(platform: str | None = None) -> tuple[tuple[str, str], ...]:
                  if row.platforms is not ANY_PLATFORM and row.runs_on(platform))
 
 
-def kernel_impls(platform: str | None = None) -> tuple[str, ...]:
-    """Backends of the kernel tiers that run on `platform`."""
-    return tuple(dict.fromkeys(backend for _, backend in kernel_rows(platform)))
-
 
 def check_impl(impl: str | None, algorithm: str | None = None) -> None:
     """ValueError unless impl and algorithm are None or names of the table."""
