@@ -26,7 +26,7 @@ LAYERS = (
     "sympow.numerics", "sympow.embedding", "sympow.rotary",
     # The attention op, in the order of its file roles.
     "sympow.attention.config", "sympow.attention.reference", "sympow.attention.chunked",
-    "sympow.attention.xla", "sympow.attention.blocked",
+    "sympow.attention.xla", "sympow.attention.blocked", "sympow.attention.streaming",
     "sympow.attention.pallas.plan", "sympow.attention.pallas.launch",
     "sympow.attention.pallas.phi", "sympow.attention.pallas.attention_kernels",
     "sympow.attention.pallas.state_kernels", "sympow.attention.pallas.prefix_kernels",

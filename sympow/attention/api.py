@@ -27,6 +27,7 @@ from sympow.attention.reference import (
     Values,
     recurrent_step,
 )
+from sympow.attention.streaming import streamed_state
 
 __all__ = ["sympow_attention", "prefill", "decode_step", "make_config", "check_settings"]
 
@@ -139,7 +140,10 @@ _attention_jit = jax.jit(_attention, static_argnums=0)
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(config: AttentionConfig, q, k, v, log_g):
-    return _run(config, q, k, v, log_g)
+    y, state = _run(config, q, k, v, log_g)
+    if state is None:  # the attention form keeps no state: stream it, one feature tile at a time
+        state = streamed_state(k, v, log_g, p=config.p)
+    return y, state
 
 
 def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *,
@@ -182,13 +186,15 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
 def prefill(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *, p: int = 2,
             chunk_size: int | None = None, impl: str | None = None,
             algorithm: str | None = None) -> tuple[Outputs, SympowState]:
-    """Chunked forward over a prompt that also returns the recurrent state after it.
+    """Forward over a prompt that also returns the recurrent state after it.
 
-    Same arguments as `sympow_attention`, among implementations that return the state
-    (algorithm 'chunked', or 'recurrent': impl='reference' runs the specification's
-    recurrent scan, one token at a time, for tests). Returns (y [B, T, Hq, E] in v's dtype,
-    SympowState with s [B, Hk, F, E] and z [B, Hk, F] in float32, F = expanded_dim(D, p))
-    to continue with `decode_step`.
+    Same arguments as `sympow_attention`. The chunked algorithm returns its final state; the
+    attention form (chosen by the cost model with the state's cost added, e.g. always at
+    p = 4, d = 64, or forced) gets it streamed over feature tiles (`streaming.py`: no
+    per-chunk states, so GPT-2 small at p = 4 fits on one GPU). impl='reference' runs the
+    specification's recurrent scan, one token at a time, unless algorithm='attention'.
+    Returns (y [B, T, Hq, E] in v's dtype, SympowState with s [B, Hk, F, E] and z [B, Hk, F]
+    in float32, F = expanded_dim(D, p)) to continue with `decode_step`.
     """
     validate_inputs(q, k, v, log_g, p)
     config = make_config(q.shape[1], p, chunk_size, impl, algorithm, need_state=True,

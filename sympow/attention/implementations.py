@@ -13,10 +13,12 @@ time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
              'reference' the specification forms (reference.py)
 
 The public `impl=` argument names a backend and `algorithm=` an algorithm; either may be
-None. Among the rows that match both, run on the platform and give what the call needs (the
-final state, for `prefill`) — with `impl=None` the rows of the first backend, in table
-order, that is a default on the platform — the one of least estimated cost is used when the
-call's shape is known and more than one row has a cost model, else the first in table order.
+None. Among the rows that match both and run on the platform — with `impl=None` the rows of
+the first backend, in table order, that is a default on the platform — the one of least
+estimated cost is used when the call's shape is known and more than one row has a cost
+model, else the first in table order. `prefill` needs the final state too: a row that does
+not return it gets it streamed (streaming.py), at the estimated cost of its state term, and
+rows that return it come first where no cost model decides.
 
 Cost model (seconds per token and head, fwd + bwd), constants measured on an H100 (jax
 0.11.2, bf16, H = 12, d = e = 64, B T = 65,536; docs/benchmarks.md):
@@ -52,11 +54,21 @@ from sympow.embedding import expanded_dim
 ANY_PLATFORM = None
 ATTENTION_COST = 8.3e-14  # s per causal (query, key) pair and unit of d + e
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
+# The streamed state builds each state once (one product per feature tile) where the
+# chunked algorithm builds per-chunk states, sums them and reads them back per query.
+STREAM_COST = STATE_COST / 2
 
 
 def attention_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
     """Estimated seconds per token and head of the attention form (module docstring)."""
     return ATTENTION_COST * t / 2 * (d + e)
+
+
+def streamed_state_cost(p: int, d: int, e: int) -> float:
+    """Estimated seconds per token and head of streaming the state after a prompt (for
+    `prefill` on a row without one, streaming.py), in the units of the other estimates:
+    STREAM_COST F E with F of the tile=1 layout."""
+    return STREAM_COST * expanded_dim(d, p) * e
 
 
 def chunked_cost(features: Callable[[int, int], int]) -> Callable[..., float]:
@@ -174,31 +186,31 @@ def select(impl: str | None, algorithm: str | None = None, *, need_state: bool =
            platform: str | None = None, shape: tuple[int, int, int, int] | None = None,
            chunk_size: int | None = None) -> Implementation:
     """The row that runs a call: see the module docstring. shape: (p, d, e, T) of the call,
-    for the cost model. ValueError naming impl and algorithm (and the platform) when no row
-    fits."""
+    for the cost model; need_state: the call is a `prefill`. ValueError naming impl and
+    algorithm (and the platform) when no row fits."""
     check_impl(impl, algorithm)
     platform = platform or jax.default_backend()
     rows = [row for row in IMPLEMENTATIONS.values()
             if (row.is_default_on(platform) if impl is None else row.backend == impl)
-            and algorithm in (None, row.algorithm) and row.runs_on(platform)
-            and (row.has_state or not need_state)]
+            and algorithm in (None, row.algorithm) and row.runs_on(platform)]
     rows = [row for row in rows if row.backend == rows[0].backend] if rows else rows
+    if need_state:  # rows that return the state first (the spec's recurrent form for 'reference')
+        rows.sort(key=lambda row: not row.has_state)
     modelled = [row for row in rows if row.cost is not None]
     if shape is not None and len(modelled) > 1:
         p, d, e, t = shape
 
         def cost(row: Implementation) -> float:
             chunk = chunk_size or (row.default_chunk_size and row.default_chunk_size(t))
-            return row.cost(p, d, e, t, chunk)
+            streamed = 0.0 if row.has_state or not need_state else streamed_state_cost(p, d, e)
+            return row.cost(p, d, e, t, chunk) + streamed
 
         return min(modelled, key=cost)  # the first of equal costs
     if rows:
         return rows[0]
     what = f"impl={impl!r}" + ("" if algorithm is None else f" with algorithm={algorithm!r}")
-    rows = [key for key, row in IMPLEMENTATIONS.items() if row.runs_on(platform)
-            and (row.has_state or not need_state)]
-    raise ValueError(f"{what} is not available on backend {platform!r}"
-                     f"{' for a call that returns the state' if need_state else ''}; "
+    rows = [key for key, row in IMPLEMENTATIONS.items() if row.runs_on(platform)]
+    raise ValueError(f"{what} is not available on backend {platform!r}; "
                      f"available (algorithm, impl): {rows}")
 
 

@@ -204,8 +204,8 @@ class SympowAttention(_Attention):
     """Causal symmetric power attention ([conformal]): sympow, +gating, conformal-sympow.
 
     Extra args over the shared ones (see `_Attention`): p (even power), chunk_size, impl and
-    algorithm (passed to `sympow.sympow_attention`; None = choose; `prefill` takes the impl's
-    algorithm that returns a state), gating (data-dependent gate).
+    algorithm (passed to `sympow.sympow_attention` and `sympow.prefill`; None = choose),
+    gating (data-dependent gate).
     conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
     q or k cancels in the normalized attention.
     """
@@ -225,11 +225,12 @@ class SympowAttention(_Attention):
 
     def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None
                 ) -> tuple[Float[Array, "B T C"], SympowCache]:
-        """Chunked forward over a prompt and the recurrent cache after it (max_length unused)."""
+        """Forward over a prompt and the recurrent cache after it (max_length unused); the
+        attention form's state is streamed (`sympow.prefill`)."""
         del max_length
         q, k, v, log_g, mu = self.project(x)
         y, state = prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
-                           impl=self.impl)
+                           impl=self.impl, algorithm=self.algorithm)
         return self.merge_heads(y), SympowCache(state, mu)
 
     def decode(self, x: Float[Array, "B 1 C"], cache: SympowCache, position: Array

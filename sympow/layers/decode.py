@@ -4,7 +4,7 @@ sympow layers carry their recurrent state (S, Z, and mu for learned rotary), O(1
 context length; the softmax baseline carries a preallocated KV cache. Both sit in one
 pytree, `GPTCache`, so the same jit-compiled loop drives every variant.
 
-    logits, cache = model.prefill(prompt)              # [B, T, V]; chunked form for sympow
+    logits, cache = model.prefill(prompt)              # [B, T, V] and the state after it
     logits, cache = model.decode_step(token, cache)    # [B, V]
     tokens = generate(model, prompt, 32, temperature=0.8, rng=jax.random.key(0))
 """
@@ -36,7 +36,7 @@ class GPTCache(NamedTuple):
 
 def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None
             ) -> tuple[Float[Array, "B T V"], GPTCache]:
-    """Forward over a prompt (chunked form for sympow), returning its logits and the cache.
+    """Forward over a prompt, returning its logits and the cache (sympow.prefill per layer).
 
     max_length: softmax KV-cache rows (prompt plus every token to decode; None =
     config.max_length, at least T); ignored by sympow, whose state has a fixed size.

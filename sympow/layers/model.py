@@ -6,7 +6,7 @@ table and an extra LayerNorm after the token embedding.
 
     model = GPT(GPTConfig.preset("conformal", size="small", p=4), rngs=nnx.Rngs(0))
     logits = model(tokens)                       # int [B, T] -> float32 [B, T, vocab]
-    logits, cache = model.prefill(tokens)        # chunked forward + recurrent state
+    logits, cache = model.prefill(tokens)        # forward + recurrent state
     logits, cache = model.decode_step(tok, cache)  # one token, O(1) in the context length
 """
 

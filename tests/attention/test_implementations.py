@@ -72,12 +72,21 @@ def test_select_rejects_unknown_and_unavailable_choices():
     with pytest.raises(ValueError, match=r"impl='reference' with algorithm='chunked' is not "
                                          r"available on backend 'cpu'"):
         impls.select("reference", "chunked", platform="cpu")
-    with pytest.raises(ValueError, match=r"impl='xla' with algorithm='attention' is not "
-                                         r"available on backend 'cpu' for a call that returns "
-                                         r"the state; available \(algorithm, impl\): "
-                                         r"\[\('chunked', 'pallas'\), \('chunked', 'xla'\), "
-                                         r"\('recurrent', 'reference'\)\]"):
-        impls.select("xla", "attention", need_state=True, platform="cpu")
+    with pytest.raises(ValueError, match=r"impl='reference' with algorithm='chunked' is not "
+                                         r"available on backend 'cpu'; available \(algorithm, "
+                                         r"impl\): \[\('chunked', 'pallas'\), \('attention', "
+                                         r"'pallas'\), \('chunked', 'xla'\)"):
+        impls.select("reference", "chunked", need_state=True, platform="cpu")
+
+
+def test_prefill_may_take_a_row_without_state():
+    """A prefill on the attention form gets its state streamed (api.py), so need_state
+    filters nothing; where no cost model decides, rows that return the state come first."""
+    row = impls.select("xla", "attention", need_state=True, platform="cpu")
+    assert (row.algorithm, row.backend) == ("attention", "xla")
+    assert impls.select("reference", need_state=True, platform="cpu").algorithm == "recurrent"
+    assert impls.select("reference", "attention", need_state=True,
+                        platform="cpu").algorithm == "attention"
 
 
 def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
@@ -96,7 +105,9 @@ def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
     (2, 64, 4096, "gpu", False, ("chunked", "pallas")),
     (2, 64, 65536, "gpu", False, ("chunked", "pallas")),
     (4, 64, 65536, "gpu", False, ("attention", "pallas")),
-    (4, 64, 1024, "gpu", True, ("chunked", "pallas")),  # prefill needs the state
+    (4, 64, 1024, "gpu", True, ("attention", "pallas")),  # + the streamed state
+    (4, 64, 1024, "cpu", True, ("attention", "xla")),
+    (2, 64, 65536, "gpu", True, ("chunked", "pallas")),  # its state comes free
     (2, 16, 37, "cpu", False, ("attention", "xla")),
     (2, 64, 65536, "cpu", False, ("chunked", "xla")),
 ])

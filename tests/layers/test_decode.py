@@ -34,9 +34,9 @@ def test_prefill_then_decode_matches_forward_fp32(variant, overrides):
     assert rel_max_err(decoded, full) < 1e-6
 
 
-def test_attention_algorithm_trains_and_prefill_takes_the_chunked_state():
-    """algorithm='attention' (the blocked form) gives the chunked model's logits; prefill
-    and decoding still run, on the state of the backend's chunked algorithm."""
+def test_attention_algorithm_trains_and_prefill_streams_the_state():
+    """algorithm='attention' (the blocked form) gives the chunked model's logits; its
+    prefill streams the state (no chunked algorithm involved) and decoding continues it."""
     chunked = randomized(tiny("conformal"))
     blocked = randomized(tiny("conformal", algorithm="attention"))
     toks = tokens(0)
