@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 experiments/benchmark.py --out=$OUT          # the sweep
   PYTHONPATH=. python3 experiments/benchmark.py --breakdown         # per-kernel, T=65536 H=8
+  PYTHONPATH=. python3 experiments/benchmark.py --form_variants='','attn_bq=128' --heads=12
 
 Sweep: bf16, B*T = 65536, T in --ts, H in --heads, d = e = 64, p = 2, gating on (sympow),
 causal. Each (impl, T, H) runs in its own process, so peak_bytes_in_use is that case's peak
@@ -35,6 +36,9 @@ _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "per-kernel times at --ts[-1]
 _VARIANTS = flags.DEFINE_list(
     "variants", [""], "breakdown: plan overrides to compare, each 'field=value;...' with "
     "fields of sympow.attention.pallas.plan.Plan (and chunk=)")
+_FORM_VARIANTS = flags.DEFINE_list(
+    "form_variants", None, "time the attention form under each plan override "
+    "('attn_bq=128;attn_bk=64;warps_attn=8', '' for the default) at --ts, --heads[0]")
 _XLA_MAX_T = flags.DEFINE_integer("xla_max_t", 16384, "skip impl='xla' above this T")
 _TIMEOUT = flags.DEFINE_integer("timeout", 240, "seconds per case process")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "B * T")
@@ -104,15 +108,19 @@ def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
                 jax=jax.__version__)
 
 
-def override_plans(spec: str) -> int | None:
-    """Apply 'field=value;...' to every Plan the tier makes; returns chunk= if given."""
+def override_plans(spec: str, form: bool = False) -> int | None:
+    """Apply 'field=value;...' to every Plan the tier makes (of the chunked primitives, or
+    of the attention form with form=True); returns chunk= if given."""
     import dataclasses
 
-    from sympow.attention.pallas import primitives
+    from sympow.attention.pallas import attention_form, primitives
 
+    module, attribute = (attention_form, "make_form_plan") if form else (primitives,
+                                                                         "make_plan")
     fields = dict(kv.split("=") for kv in spec.split(";") if kv)
     chunk = fields.pop("chunk", None)
-    base = getattr(primitives.make_plan, "__wrapped_base__", primitives.make_plan)
+    current = getattr(module, attribute)
+    base = getattr(current, "__wrapped_base__", current)
 
     def make_plan(*args):
         plan = base(*args)
@@ -122,8 +130,24 @@ def override_plans(spec: str) -> int | None:
             getattr(plan, k), bool) else v == "True" for k, v in fields.items()})
 
     make_plan.__wrapped_base__ = base
-    primitives.make_plan = make_plan  # the name the tier's primitives call
+    setattr(module, attribute, make_plan)  # the name the tier's code calls
     return None if chunk is None else int(chunk)
+
+
+def form_variants(specs: list[str]) -> list[dict]:
+    """The attention form at --ts, --heads[0] under each plan override (blocks, warps)."""
+    import jax
+
+    rows = []
+    for spec in specs:
+        jax.clear_caches()
+        override_plans(spec, form=True)
+        for t in map(int, _TS.value):
+            row = dict(spec=spec, **run_case("pallas:attention", t, int(_HEADS.value[0])))
+            print(f"form [{spec}] T={t}: fwd {row['fwd_ms']:.2f} ms, fwd+bwd "
+                  f"{row['fwd_bwd_ms']:.2f} ms", flush=True)
+            rows.append(row)
+    return rows
 
 
 def breakdown(t: int, h: int, spec: str = "") -> dict:
@@ -285,6 +309,16 @@ def main(argv):
         if _OUT.value:
             Path(_OUT.value).mkdir(parents=True, exist_ok=True)
             Path(_OUT.value, "breakdown.json").write_text(json.dumps(results, indent=1))
+    elif _FORM_VARIANTS.value is not None:
+        rows = []
+        for spec in _FORM_VARIANTS.value:
+            try:
+                rows += form_variants([spec])
+            except Exception as err:  # noqa: BLE001  (a variant may not compile)
+                print(f"form variant [{spec}] failed: {type(err).__name__}: {str(err)[:300]}")
+        if _OUT.value:
+            Path(_OUT.value).mkdir(parents=True, exist_ok=True)
+            Path(_OUT.value, "form_variants.json").write_text(json.dumps(rows, indent=1))
     else:
         report(sweep())
 

@@ -26,12 +26,24 @@ from sympow.attention.pallas.launch import dot, idiv, irem, launch, split_heads
 from sympow.attention.pallas.plan import Plan
 
 
-def _scores(q, k, g_q, g_k, rows, cols, plan: Plan):
-    """Scores s [bq, bk], validity mask and logits l (-inf where not valid)."""
+def _scores(q, k, g_q, g_k, rows, cols, plan: Plan, *, causal: bool):
+    """Scores s [bq, bk], validity mask and logits l (-inf where not valid).
+
+    causal=False for blocks wholly below the diagonal: no causal compare and no select, as
+    log|0| = -inf already gives a zero score no weight (the mask is still returned, for the
+    backward's division by s)."""
     s = dot(q, k, plan, trans_b=True)  # [bq, bk]
+    if not causal:
+        return s, s != 0, plan.p * jnp.log(jnp.abs(s)) + g_q[:, None] - g_k[None, :]
     valid = (s != 0) & (rows[:, None] >= cols[None, :])
     log_power = plan.p * jnp.log(jnp.abs(jnp.where(valid, s, 1.0)))
     return s, valid, jnp.where(valid, log_power + g_q[:, None] - g_k[None, :], -jnp.inf)
+
+
+def _below_then_on_diagonal(split, stop, body, init):
+    """body(j, carry, causal) over the key blocks [0, split) unmasked, then [split, stop)."""
+    carry = jax.lax.fori_loop(0, split, lambda j, c: body(j, c, causal=False), init)
+    return jax.lax.fori_loop(split, stop, lambda j, c: body(j, c, causal=True), carry)
 
 
 def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
@@ -43,6 +55,13 @@ def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
     return w, dl, ds
 
 
+def _key_blocks(i, plan: Plan):
+    """(first key block touching the diagonal of query block i, key blocks up to it): the
+    key blocks before the first lie wholly below the diagonal and need no causal mask."""
+    bq, bk = plan.attn_bq, plan.attn_bk
+    return idiv(i * bq, bk), idiv((i + 1) * bq + bk - 1, bk)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, o_ref, den_ref, m_ref, *, plan: Plan):
     bq, bk = plan.attn_bq, plan.attn_bk
     i = pl.program_id(0)
@@ -50,11 +69,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, o_ref, den_ref, m_ref, *, plan: Plan
     rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
     g_q = g_ref[pl.ds(pl.multiple_of(i * bq, bq), bq)]
 
-    def body(j, carry):
+    def body(j, carry, causal):
         acc, den, m = carry
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
-        _, _, logit = _scores(q, k_ref[keys, :], g_q, g_ref[keys], rows, cols, plan)
+        _, _, logit = _scores(q, k_ref[keys, :], g_q, g_ref[keys], rows, cols, plan,
+                              causal=causal)
         m_new = jnp.maximum(m, jnp.max(logit, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
         alpha = jnp.exp(m - shift)
@@ -62,10 +82,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, o_ref, den_ref, m_ref, *, plan: Plan
         acc = acc * alpha[:, None] + dot(w, v_ref[keys, :], plan)
         return acc, den * alpha + jnp.sum(w, axis=1), m_new
 
-    n_keys = idiv((i + 1) * bq + bk - 1, bk)  # key blocks up to the diagonal
     init = (jnp.zeros((bq, plan.e), jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.full((bq,), -jnp.inf, jnp.float32))
-    acc, den, m = jax.lax.fori_loop(0, n_keys, body, init)
+    acc, den, m = _below_then_on_diagonal(*_key_blocks(i, plan), body, init)
     o_ref[...] = acc
     den_ref[...] = den
     m_ref[...] = jnp.where(m == -jnp.inf, 0.0, m)
@@ -79,18 +98,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, g_ref, m_ref, do_ref, dden_ref, dq_ref, dg_r
     rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
     g_q = g_ref[pl.ds(pl.multiple_of(i * bq, bq), bq)]
 
-    def body(j, carry):
+    def body(j, carry, causal):
         dq, dg = carry
         keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
         cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         k = k_ref[keys, :]
-        s, valid, logit = _scores(q, k, g_q, g_ref[keys], rows, cols, plan)
+        s, valid, logit = _scores(q, k, g_q, g_ref[keys], rows, cols, plan, causal=causal)
         _, dl, ds = _grad_terms(s, valid, logit, m, do, v_ref[keys, :], dden, plan)
         return dq + dot(ds, k, plan), dg + jnp.sum(dl, axis=1)
 
-    n_keys = idiv((i + 1) * bq + bk - 1, bk)
     init = (jnp.zeros((bq, plan.d), jnp.float32), jnp.zeros((bq,), jnp.float32))
-    dq, dg = jax.lax.fori_loop(0, n_keys, body, init)
+    dq, dg = _below_then_on_diagonal(*_key_blocks(i, plan), body, init)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dg_ref[...] = dg
 
@@ -102,23 +120,28 @@ def _dkv_kernel(q_ref, k_ref, v_ref, g_ref, m_ref, do_ref, dden_ref, dk_ref, dv_
     k, v = k_ref[...], v_ref[...]
     cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
     g_k = g_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)]
-    first = idiv(j * bk, bq)  # query blocks at or below the diagonal
-    n_queries = plan.c // bq - first
+    # Query blocks from the diagonal's (masked) to the first wholly below it, then the rest.
+    first, split = idiv(j * bk, bq), idiv((j + 1) * bk + bq - 1, bq)
+    blocks = {False: (split, plan.c // bq - split), True: (first, split - first)}
 
-    def body(it, carry):
+    def body(it, carry, causal):  # it runs over (query head r of the group, query block)
         dk, dv, dg = carry
-        r, i = idiv(it, n_queries), first + irem(it, n_queries)
+        start, count = blocks[causal]
+        r, i = idiv(it, count), start + irem(it, count)
         qs = pl.ds(pl.multiple_of(i * bq, bq), bq)
         rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
         q, do = q_ref[r, qs, :], do_ref[r, qs, :]
-        s, valid, logit = _scores(q, k, g_ref[qs], g_k, rows, cols, plan)
+        s, valid, logit = _scores(q, k, g_ref[qs], g_k, rows, cols, plan, causal=causal)
         w, dl, ds = _grad_terms(s, valid, logit, m_ref[r, qs], do, v, dden_ref[r, qs], plan)
         return (dk + dot(ds, q, plan, trans_a=True), dv + dot(w, do, plan, trans_a=True),
                 dg - jnp.sum(dl, axis=0))
 
     init = (jnp.zeros((bk, plan.d), jnp.float32), jnp.zeros((bk, plan.e), jnp.float32),
             jnp.zeros((bk,), jnp.float32))
-    dk, dv, dg = jax.lax.fori_loop(0, groups * n_queries, body, init)
+    fori = jax.lax.fori_loop
+    carry = fori(0, groups * blocks[True][1], lambda it, c: body(it, c, causal=True), init)
+    dk, dv, dg = fori(0, groups * blocks[False][1], lambda it, c: body(it, c, causal=False),
+                      carry)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     dg_ref[...] = dg
