@@ -172,7 +172,7 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
         'attention' (the attention form, quadratic in T, O(T x block) memory: flash-style
         kernels for 'pallas', blocked pure JAX for 'xla') | None: the backend's algorithm of
         least estimated cost for (p, d, e, T) (docs/design.md §5.1: the attention form up
-        to T ~ 4k at p = 2, d = e = 64; always at p = 4, d = 64).
+        to T ~ 4.5k at p = 2, d = e = 64; always at p = 4, d = 64).
 
     Returns:
       [B, T, Hq, E] in v's dtype (accumulated in float32).

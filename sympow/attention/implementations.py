@@ -27,10 +27,10 @@ Cost model (seconds per token and head, fwd + bwd), constants measured on an H10
   chunked         STATE_COST F E + ATTENTION_COST (C / 2) (d + e)    states + chunk blocks
 
 with F the state features of the row's layout and C its chunk. ATTENTION_COST is the
-attention-form kernel's time at T = 65536 (273 ms); STATE_COST the rest of the chunked
+attention-form kernels' time at T = 65536 (237 ms); STATE_COST the rest of the chunked
 kernels' time at T = 65536 (16.7 ms). The crossover for p = 2, d = e = 64 falls near
-T = 4k (measured: 19.2 vs 17.0 ms at 4096, 6.2 vs 17.3 ms at 1024); at p = 4, d = 64 the
-chunked states (F = 992,256) put it beyond any context, so training takes the attention
+T = 4.5k (measured: 16.7 vs 17.0 ms at 4096, 60.6 vs 16.6 ms at 16384); at p = 4, d = 64
+the chunked states (F = 992,256) put it beyond any context, so training takes the attention
 form. The xla rows use the same constants: the ratio, not measured separately.
 """
 
@@ -52,7 +52,7 @@ from sympow.attention.reference import attention_form, recurrent_form
 from sympow.embedding import expanded_dim
 
 ANY_PLATFORM = None
-ATTENTION_COST = 8.3e-14  # s per causal (query, key) pair and unit of d + e
+ATTENTION_COST = 7.18e-14  # s per causal (query, key) pair and unit of d + e
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.
