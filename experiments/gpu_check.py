@@ -29,8 +29,10 @@ _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
-_ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge"],
-                          "random: the CASES; edge: T=1 and the adversarial inputs")
+_ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge", "precision"],
+                          "random: the CASES; edge: T=1 and the adversarial inputs; "
+                          "precision: fp32 against float64 on the gate histories of "
+                          "testing.PRECISION_KINDS")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -54,6 +56,9 @@ CASES = [
 ]
 QUICK = [0, 2, 4, 6, 7]
 ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
+# (gate history, T) of --only=precision: issue 11's three histories and 65,536 ordinary gates.
+PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 900),
+             ("ordinary", 65536)]
 
 
 def main(argv):
@@ -84,13 +89,29 @@ def main(argv):
     if _ONLY.value != "random":
         jobs += [(impl, testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
                  for impl in rows for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
+    if _ONLY.value == "precision":
+        jobs = [(impl, (kind, t), "float32", "precision") for impl in rows
+                for kind, t in PRECISION]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for impl, case, dtype, kind in jobs:
+            start = time.time()
+            if kind == "precision":
+                history, t = case
+                got = [(n, e, f"bound {b:.1e}", ok) for n, e, b, ok in testing.check_precision(
+                    history, impl, chunk=128 if impl[1] == "chunked" else None, t=t)]
+                failures += sum(not ok for *_, ok in got)
+                for name, err, note, ok in got:
+                    results.append(dict(impl="/".join(impl), case=f"{history}_t{t}",
+                                        dtype=dtype, kind=kind, output=name, err=err,
+                                        note=note, ok=ok,
+                                        seconds=round(time.time() - start, 1)))
+                    print(f"{'/'.join(impl):16s} {history:20s} T={t:<6d} {name:6s} "
+                          f"{err:9.2e} {note:14s} {'ok' if ok else 'FAIL'}", flush=True)
+                continue
             if case.t > _MAX_T.value:
                 continue
             gold = "reference" if case.t <= 2048 else ("xla", "attention")
-            start = time.time()
             try:
                 args = testing.inputs(case, rng, kind=kind)
                 # T=1 and adversarial inputs: some gradients are 0 up to rounding (y = v).

@@ -48,9 +48,17 @@ from sympow.attention.chunked import (
     capped_block,
     from_chunks,
     normalize_queries_and_keys,
+    suffix_sums,
     to_chunks,
 )
-from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values, segment_sums
+from sympow.attention.reference import (
+    Keys,
+    LogGates,
+    Outputs,
+    Queries,
+    Values,
+    segment_sums_last,
+)
 from sympow.numerics import HIGHEST, compute_dtype, safe_divide
 
 
@@ -85,8 +93,8 @@ def to_blocks(q, k, v, log_g, block: int) -> Blocks:
     qb = to_chunks(q.astype(ct), n, block).reshape(b, hk, hq // hk, n, block, d)
     a = to_chunks(log_g.astype(ct), n, block)  # [B, Hk, N, K]
     head = jnp.cumsum(a, axis=-1)
-    tail = jnp.flip(jnp.cumsum(jnp.flip(a, -1), axis=-1), -1) - a  # exclusive, from the end
-    seg = segment_sums(a.reshape(-1, block, 1)).reshape(*a.shape, block)
+    tail = suffix_sums(a)
+    seg = segment_sums_last(a)  # [B, Hk, N, K, K]
     return Blocks(qb, to_chunks(k.astype(ct), n, block), to_chunks(v.astype(ct), n, block),
                   head, tail, seg, head[..., -1])
 

@@ -1,16 +1,21 @@
 """The chunked sympow algorithm, written once over four swappable primitives.
 
 Split T into N = ceil(T / C) chunks (the tail is zero-padded: zero keys add nothing, and
-causality keeps padded queries from touching real rows). With g the inclusive cumulative
-log gate inside each chunk (g <= 0, decreasing):
+causality keeps padded queries from touching real rows). With a the log gates of a chunk,
+g its inclusive cumulative sum (g_i = sum_{k<=i} a_k <= 0) and tail its suffix sums
+(tail_j = sum_{k>j} a_k, `suffix_sums`):
 
-1. update_state: per chunk n, S_n = sum_{j in n} exp(g_last - g_j) V_j phi(K_j)^T and Z_n
+1. update_state: per chunk n, S_n = sum_{j in n} exp(tail_j) V_j phi(K_j)^T and Z_n
    likewise with V_j -> 1.
 2. prefix_sum: the state entering chunk n, P_n = exp(g_last,n-1) P_{n-1} + S_{n-1}, P_0 = 0.
 3. attention: the causal C x C block of each chunk in log space with a row max m_i,
-   o_i = sum_j exp(P log|Q_i.K_j| + g_i - g_j - m_i) V_j and its normalizer den_i.
+   o_i = sum_j exp(P log|Q_i.K_j| + sum_{j<k<=i} a_k - m_i) V_j and its normalizer den_i.
 4. query_state: exp(g_i) phi(Q_i)^T P_n for numerator and normalizer, combined with
    (o, den, m) before the one division.
+
+Every decay is a sum of log gates over the tokens it spans, never a difference of two
+cumulative sums, so a strong gate early in a chunk costs later tokens no precision (each
+sum of terms <= 0 is exact to the ulp of its own size).
 
 `ChunkPrimitives` holds one implementation of each (pure JAX in `xla.py`, Pallas kernels in
 `sympow.attention.pallas`). Shapes in chunk layout: q [B, Hq, N, C, D]; k [B, Hk, N, C, D];
@@ -41,10 +46,11 @@ from sympow.numerics import compute_dtype, safe_divide
 class ChunkPrimitives(NamedTuple):
     """One implementation of each step of the chunked algorithm (see the module docstring).
 
-    update_state(k, v, g, *, p) -> (s [B,Hk,N,F,E], z [B,Hk,N,F])
+    update_state(k, v, tail, *, p) -> (s [B,Hk,N,F,E], z [B,Hk,N,F])
     prefix_sum(s, z, g_last [B,Hk,N]) -> (s_in, z_in, s_final [B,Hk,F,E], z_final [B,Hk,F])
-    attention(q, k, v, g, *, p) -> (o [B,Hq,N,C,E], den [B,Hq,N,C], m [B,Hq,N,C])
+    attention(q, k, v, a, *, p) -> (o [B,Hq,N,C,E], den [B,Hq,N,C], m [B,Hq,N,C])
     query_state(q, s_in, z_in, g, o, den, m, *, p) -> y [B,Hq,N,C,E] (normalized)
+    with a the log gates, g their inclusive and tail their suffix sums, [B,Hk,N,C] each.
     """
 
     update_state: Callable[..., tuple[Array, Array]]
@@ -75,6 +81,15 @@ def combine(
     w_inter = jnp.exp(-shared)
     num = o * w_intra[..., None] + inter_o * w_inter[..., None]
     return safe_divide(num, den * w_intra + inter_den * w_inter)
+
+
+def suffix_sums(a: Float[Array, "... C"]) -> Float[Array, "... C"]:
+    """sum_{k > j} a_k along the last axis: an exclusive cumulative sum from the end.
+
+    Computed directly, never as total - prefix: for a strong gate a_j that difference would
+    cancel to the ulp of the total (docs/design.md §4)."""
+    later = jnp.flip(jnp.cumsum(jnp.flip(a[..., 1:], -1), axis=-1), -1)
+    return jnp.concatenate([later, jnp.zeros_like(a[..., :1])], axis=-1)
 
 
 def capped_block(length: int, cap: int) -> int:
@@ -134,11 +149,12 @@ def chunked_attention(
     q, k, k_scale = normalize_queries_and_keys(q, k)
     log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
     qc, kc, vc = (to_chunks(x, n, chunk_size) for x in (q, k, v))
-    g = jnp.cumsum(to_chunks(log_g, n, chunk_size), axis=-1)  # [B, Hk, N, C]
+    a = to_chunks(log_g, n, chunk_size)  # [B, Hk, N, C]
+    g = jnp.cumsum(a, axis=-1)  # inclusive, within the chunk
 
-    s, z = primitives.update_state(kc, vc, g, p=p)
+    s, z = primitives.update_state(kc, vc, suffix_sums(a), p=p)
     s_in, z_in, s_final, z_final = primitives.prefix_sum(s, z, g[..., -1])
-    o, den, m = primitives.attention(qc, kc, vc, g, p=p)
+    o, den, m = primitives.attention(qc, kc, vc, a, p=p)
     y = primitives.query_state(qc, s_in, z_in, g, o, den, m, p=p)
 
     # phi(K / c) = phi(K) / c^P: restore the true scale of the final state for decoding.

@@ -35,8 +35,13 @@ def segment_sums(log_g: Float[Array, "B T H"]) -> Float[Array, "B H T T"]:
     Summed per segment rather than as G_i - G_j, so long sequences of strong gates do not
     lose precision to cancellation.
     """
-    t = log_g.shape[1]
-    a = jnp.moveaxis(log_g, 1, -1)  # [B, H, T]
+    return segment_sums_last(jnp.moveaxis(log_g, 1, -1))
+
+
+def segment_sums_last(a: Float[Array, "... T"]) -> Float[Array, "... T T"]:
+    """`segment_sums` along the last axis of a: [..., i, j] = sum_{k=j+1..i} a_k, -inf
+    above the diagonal."""
+    t = a.shape[-1]
     strictly_lower = jnp.tril(jnp.ones((t, t), bool), k=-1)
     # Entry (i, j) accumulates a_i' for j < i' <= i by a cumulative sum down the rows.
     terms = jnp.where(strictly_lower, a[..., :, None], 0.0)  # [B, H, T, T]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from sympow.attention.chunked import normalize_queries_and_keys
+from sympow.attention.chunked import normalize_queries_and_keys, suffix_sums
 from sympow.attention.reference import Keys, LogGates, SympowState, Values
 from sympow.embedding import embedding_tables
 from sympow.numerics import HIGHEST, compute_dtype
@@ -53,11 +53,7 @@ def feature_tile(batch: int, kv_heads: int, length: int, features: int, itemsize
 
 def suffix_decays(log_g: Float[Array, "B T Hk"]) -> Float[Array, "B Hk T"]:
     """b_j = exp(sum_{k > j} log_g_k): the decay from token j to the end of the prompt."""
-    a = jnp.moveaxis(log_g, 1, -1)  # [B, Hk, T]
-    # An exclusive sum from the end (sum_{k >= j} minus a_j would cancel for a strong a_j).
-    later = jnp.concatenate([jnp.cumsum(a[..., :0:-1], axis=-1)[..., ::-1],
-                             jnp.zeros_like(a[..., :1])], axis=-1)
-    return jnp.exp(later)
+    return jnp.exp(suffix_sums(jnp.moveaxis(log_g, 1, -1)))  # [B, Hk, T]
 
 
 def streamed_state(k: Keys, v: Values, log_g: LogGates | None, *, p: int,

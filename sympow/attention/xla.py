@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.attention.chunked import ChunkPrimitives, capped_block, combine
+from sympow.attention.reference import segment_sums_last
 from sympow.embedding import sympow_embedding
 from sympow.numerics import HIGHEST, compute_dtype
 
@@ -24,12 +25,13 @@ def _map_chunks(fn, *xs):
 
 
 def update_state(
-    k: Float[Array, "B Hk N C D"], v: Float[Array, "B Hk N C E"], g: Float[Array, "B Hk N C"],
-    *, p: int,
+    k: Float[Array, "B Hk N C D"], v: Float[Array, "B Hk N C E"],
+    tail: Float[Array, "B Hk N C"], *, p: int,
 ) -> tuple[Float[Array, "B Hk N F E"], Float[Array, "B Hk N F"]]:
-    """Per-chunk states decayed to the chunk's end: S_n = sum_j exp(g_last - g_j) phi(K_j) V_j^T."""
-    decay = jnp.exp(g[..., -1:] - g)  # [B, Hk, N, C], <= 1
-    ct = compute_dtype(k, v, g)
+    """Per-chunk states decayed to the chunk's end: S_n = sum_j exp(tail_j) phi(K_j) V_j^T,
+    tail_j the sum of the chunk's log gates after j."""
+    decay = jnp.exp(tail)  # [B, Hk, N, C], <= 1
+    ct = compute_dtype(k, v, tail)
 
     def one_chunk(k_c, v_c, decay_c):
         phi = sympow_embedding(k_c.astype(ct), p) * decay_c[..., None]  # [B, Hk, C, F]
@@ -61,23 +63,24 @@ def prefix_sum(
 
 def attention(
     q: Float[Array, "B Hq N C D"], k: Float[Array, "B Hk N C D"], v: Float[Array, "B Hk N C E"],
-    g: Float[Array, "B Hk N C"], *, p: int,
+    a: Float[Array, "B Hk N C"], *, p: int,
 ):
     """Intra-chunk causal attention, unnormalized against the row max in log space.
 
     Returns (o [B, Hq, N, C, E], den [B, Hq, N, C], m [B, Hq, N, C]) with
     o_i = sum_{j<=i} exp(l_ij - m_i) V_j, den_i = sum_{j<=i} exp(l_ij - m_i),
-    l_ij = P log|Q_i . K_j| + g_i - g_j, m_i = max_j l_ij (0 where no j counts).
+    l_ij = P log|Q_i . K_j| + sum_{j<k<=i} a_k (a the log gates, summed per segment),
+    m_i = max_j l_ij (0 where no j counts).
     """
     b, hq, n, c, d = q.shape
     hk = k.shape[1]
-    ct = compute_dtype(q, k, v, g)
+    ct = compute_dtype(q, k, v, a)
     qg = q.astype(ct).reshape(b, hk, hq // hk, n, c, d)
     scores = jnp.einsum("bhrnid,bhnjd->bhrnij", qg, k.astype(ct), precision=HIGHEST)
     nonzero = scores != 0
     log_power = p * jnp.log(jnp.abs(jnp.where(nonzero, scores, 1.0)))
     causal = jnp.tril(jnp.ones((c, c), bool))
-    log_decay = jnp.where(causal, g[..., :, None] - g[..., None, :], 0.0)[:, :, None]
+    log_decay = jnp.where(causal, segment_sums_last(a), 0.0)[:, :, None]  # [B, Hk, 1, N, C, C]
     valid = nonzero & causal
     logits = jnp.where(valid, log_power + log_decay, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))

@@ -58,6 +58,6 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
     qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
     vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
-    g = jnp.cumsum(to_chunks(log_g, 1, plan.c), axis=-1)  # [B, Hk, 1, C]
-    o, den, _ = vjps.attention(plan, qc, kc, vc, g)  # m: a row max, no gradient
+    a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
+    o, den, _ = vjps.attention(plan, qc, kc, vc, a)  # m: a row max, no gradient
     return from_chunks(safe_divide(o, den), t)[..., :e]

@@ -1,19 +1,34 @@
 """Intra-chunk attention of the chunked algorithm: Pallas forward and backward kernels.
 
-Per chunk, on the causal C x C block (chunk layout, see sympow.attention.chunked):
-  l_ij = p log|Q_i . K_j| + g_i - g_j for j <= i and Q_i . K_j != 0 (else -inf),
+Per chunk, on the causal C x C block (chunk layout, see sympow.attention.chunked), with a the
+log gates and D_ij = sum_{j<k<=i} a_k the decay from key j to query i:
+  l_ij = p log|Q_i . K_j| + D_ij for j <= i and Q_i . K_j != 0 (else -inf),
   m_i = max_j l_ij (0 where no j counts), w_ij = exp(l_ij - m_i),
   o_i = sum_j w_ij V_j, den_i = sum_j w_ij,
 exactly as `sympow.attention.xla.attention`, computed flash-style: a query block walks the
-key blocks up to the diagonal with an online row max, so no C x C matrix is stored.
+key blocks from the diagonal back to the first with an online row max, so no C x C matrix
+is stored.
+
+Decays from local sums (docs/design.md §4). Blocks are K = attn_bq = attn_bk rows. For i in
+query block I and j in an earlier key block J,
+  D_ij = head_i + mid_IJ + tail_j,
+with head_i the gate sum from the start of block I to i, tail_j the sum after j to the end
+of block J (both from `block_gate_sums`) and mid_IJ the totals of the blocks strictly
+between, accumulated as the loop walks away from the diagonal. On the diagonal block D is an
+in-kernel cumulative sum down the rows of the [K, K] tile a_k [k > j]. Every D is a sum of
+terms <= 0, never a difference of two large cumulative sums, so a strong gate early in the
+sequence costs later tokens no precision. Blocks wholly below the diagonal need no causal
+mask and no zero-score select (log|0| = -inf already gives no weight).
 
 Backward (m is a constant, as the stop_gradient in the oracle makes it): with
 dw_ij = dO_i . V_j + dden_i and dl_ij = w_ij dw_ij,
   dV_j = sum_i w_ij dO_i,  dQ_i = sum_j ds_ij K_j,  dK_j = sum_i ds_ij Q_i,
   ds_ij = p dl_ij / (Q_i . K_j)   (d l_ij / d s_ij = p / s_ij),
-  dg_i += sum_j dl_ij,  dg_j -= sum_i dl_ij.
-Two kernels recompute w from the saved m: one per query block (dQ, dg_i) and one per key
-block looping over the R query heads of its kv head (dK, dV, dg_j); no atomics.
+  dG_i += sum_j dl_ij,  dG_j -= sum_i dl_ij,
+the cotangent of the logits as functions of G_i - G_j (G the cumulative gate sum; vjps.py
+turns it into that of a). Two kernels recompute w from the saved m: one per query block
+(dQ, dG_i) and one per key block looping over the R query heads of its kv head (dK, dV,
+dG_j); no atomics.
 """
 
 from __future__ import annotations
@@ -22,28 +37,37 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sympow.attention.chunked import suffix_sums
 from sympow.attention.pallas.launch import dot, idiv, irem, launch, split_heads
 from sympow.attention.pallas.plan import Plan
 
 
-def _scores(q, k, g_q, g_k, rows, cols, plan: Plan, *, causal: bool):
-    """Scores s [bq, bk], validity mask and logits l (-inf where not valid).
+def block_gate_sums(a, plan: Plan):
+    """(head, tail) [B, Hk, N, C] of log gates a: the inclusive cumulative sum and the suffix
+    sum within each block of attn_bq rows."""
+    blocks = a.reshape(*a.shape[:-1], -1, plan.attn_bq)
+    return (jnp.cumsum(blocks, axis=-1).reshape(a.shape),
+            suffix_sums(blocks).reshape(a.shape))
 
-    causal=False for blocks wholly below the diagonal: no causal compare and no select, as
-    log|0| = -inf already gives a zero score no weight (the mask is still returned, for the
-    backward's division by s)."""
-    s = dot(q, k, plan, trans_b=True)  # [bq, bk]
-    if not causal:
-        return s, s != 0, plan.p * jnp.log(jnp.abs(s)) + g_q[:, None] - g_k[None, :]
-    valid = (s != 0) & (rows[:, None] >= cols[None, :])
+
+def _diagonal_decay(a, plan: Plan):
+    """D [K, K] of a diagonal block from its log gates a [K]: [i, j] = sum_{j<k<=i} a_k
+    (for j <= i; the caller masks j > i)."""
+    rows = jnp.arange(plan.attn_bq, dtype=jnp.int32)
+    terms = jnp.where(rows[:, None] > rows[None, :], a[:, None], 0.0)  # [k, j]: a_k, k > j
+    return jnp.cumsum(terms, axis=0)
+
+
+def _scores(q, k, decay, plan: Plan, *, diagonal: bool):
+    """Scores s [K, K], validity mask and logits l (-inf where not valid) of one block pair
+    with decays `decay` [K, K]; off the diagonal without the causal mask or select."""
+    s = dot(q, k, plan, trans_b=True)  # [K, K]
+    if not diagonal:
+        return s, s != 0, plan.p * jnp.log(jnp.abs(s)) + decay
+    rows = jnp.arange(plan.attn_bq, dtype=jnp.int32)
+    valid = (s != 0) & (rows[:, None] >= rows[None, :])
     log_power = plan.p * jnp.log(jnp.abs(jnp.where(valid, s, 1.0)))
-    return s, valid, jnp.where(valid, log_power + g_q[:, None] - g_k[None, :], -jnp.inf)
-
-
-def _below_then_on_diagonal(split, stop, body, init):
-    """body(j, carry, causal) over the key blocks [0, split) unmasked, then [split, stop)."""
-    carry = jax.lax.fori_loop(0, split, lambda j, c: body(j, c, causal=False), init)
-    return jax.lax.fori_loop(split, stop, lambda j, c: body(j, c, causal=True), carry)
+    return s, valid, jnp.where(valid, log_power + decay, -jnp.inf)
 
 
 def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
@@ -55,93 +79,98 @@ def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
     return w, dl, ds
 
 
-def _key_blocks(i, plan: Plan):
-    """(first key block touching the diagonal of query block i, key blocks up to it): the
-    key blocks before the first lie wholly below the diagonal and need no causal mask."""
-    bq, bk = plan.attn_bq, plan.attn_bk
-    return idiv(i * bq, bk), idiv((i + 1) * bq + bk - 1, bk)
+def _block(index, plan: Plan):
+    return pl.ds(pl.multiple_of(index * plan.attn_bq, plan.attn_bq), plan.attn_bq)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, o_ref, den_ref, m_ref, *, plan: Plan):
-    bq, bk = plan.attn_bq, plan.attn_bk
+def _walk_back(i, a_ref, head, tl_ref, visit, carry, plan: Plan):
+    """visit(carry, key block j, decay [K, K]) for the diagonal block j = i, then for
+    j = i - 1, ..., 0 with decay head_i + mid + tail_j (mid grows by each block passed)."""
+    carry = visit(carry, _block(i, plan), _diagonal_decay(a_ref[_block(i, plan)], plan), True)
+
+    def body(step, state):
+        carry, mid = state
+        keys = _block(i - 1 - step, plan)
+        carry = visit(carry, keys, head[:, None] + (mid + tl_ref[keys][None, :]), False)
+        return carry, mid + jnp.sum(a_ref[keys])
+
+    return jax.lax.fori_loop(0, i, body, (carry, jnp.zeros((), jnp.float32)))[0]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, o_ref, den_ref, m_ref, *,
+                plan: Plan):
     i = pl.program_id(0)
-    q = q_ref[...]  # [bq, D]
-    rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
-    g_q = g_ref[pl.ds(pl.multiple_of(i * bq, bq), bq)]
+    q = q_ref[...]  # [K, D]
 
-    def body(j, carry, causal):
+    def visit(carry, keys, decay, diagonal):
         acc, den, m = carry
-        keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
-        _, _, logit = _scores(q, k_ref[keys, :], g_q, g_ref[keys], rows, cols, plan,
-                              causal=causal)
+        _, _, logit = _scores(q, k_ref[keys, :], decay, plan, diagonal=diagonal)
         m_new = jnp.maximum(m, jnp.max(logit, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
         alpha = jnp.exp(m - shift)
-        w = jnp.exp(logit - shift[:, None])  # [bq, bk]
+        w = jnp.exp(logit - shift[:, None])  # [K, K]
         acc = acc * alpha[:, None] + dot(w, v_ref[keys, :], plan)
         return acc, den * alpha + jnp.sum(w, axis=1), m_new
 
-    init = (jnp.zeros((bq, plan.e), jnp.float32), jnp.zeros((bq,), jnp.float32),
-            jnp.full((bq,), -jnp.inf, jnp.float32))
-    acc, den, m = _below_then_on_diagonal(*_key_blocks(i, plan), body, init)
+    kk = plan.attn_bq
+    init = (jnp.zeros((kk, plan.e), jnp.float32), jnp.zeros((kk,), jnp.float32),
+            jnp.full((kk,), -jnp.inf, jnp.float32))
+    acc, den, m = _walk_back(i, a_ref, hd_ref[_block(i, plan)], tl_ref, visit, init, plan)
     o_ref[...] = acc
     den_ref[...] = den
     m_ref[...] = jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, g_ref, m_ref, do_ref, dden_ref, dq_ref, dg_ref, *,
-               plan: Plan):
-    bq, bk = plan.attn_bq, plan.attn_bk
+def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_ref, dq_ref,
+               dg_ref, *, plan: Plan):
     i = pl.program_id(0)
     q, m, do, dden = q_ref[...], m_ref[...], do_ref[...], dden_ref[...]
-    rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
-    g_q = g_ref[pl.ds(pl.multiple_of(i * bq, bq), bq)]
 
-    def body(j, carry, causal):
+    def visit(carry, keys, decay, diagonal):
         dq, dg = carry
-        keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         k = k_ref[keys, :]
-        s, valid, logit = _scores(q, k, g_q, g_ref[keys], rows, cols, plan, causal=causal)
+        s, valid, logit = _scores(q, k, decay, plan, diagonal=diagonal)
         _, dl, ds = _grad_terms(s, valid, logit, m, do, v_ref[keys, :], dden, plan)
         return dq + dot(ds, k, plan), dg + jnp.sum(dl, axis=1)
 
-    init = (jnp.zeros((bq, plan.d), jnp.float32), jnp.zeros((bq,), jnp.float32))
-    dq, dg = _below_then_on_diagonal(*_key_blocks(i, plan), body, init)
+    kk = plan.attn_bq
+    init = (jnp.zeros((kk, plan.d), jnp.float32), jnp.zeros((kk,), jnp.float32))
+    dq, dg = _walk_back(i, a_ref, hd_ref[_block(i, plan)], tl_ref, visit, init, plan)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dg_ref[...] = dg
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, g_ref, m_ref, do_ref, dden_ref, dk_ref, dv_ref, dg_ref,
-                *, plan: Plan, groups: int):
-    bq, bk = plan.attn_bq, plan.attn_bk
+def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_ref, dk_ref,
+                dv_ref, dg_ref, *, plan: Plan, groups: int):
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
-    cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
-    g_k = g_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)]
-    # Query blocks from the diagonal's (masked) to the first wholly below it, then the rest.
-    first, split = idiv(j * bk, bq), idiv((j + 1) * bk + bq - 1, bq)
-    blocks = {False: (split, plan.c // bq - split), True: (first, split - first)}
+    own = _block(j, plan)
+    tail = tl_ref[own]
 
-    def body(it, carry, causal):  # it runs over (query head r of the group, query block)
-        dk, dv, dg = carry
-        start, count = blocks[causal]
-        r, i = idiv(it, count), start + irem(it, count)
-        qs = pl.ds(pl.multiple_of(i * bq, bq), bq)
-        rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
-        q, do = q_ref[r, qs, :], do_ref[r, qs, :]
-        s, valid, logit = _scores(q, k, g_ref[qs], g_k, rows, cols, plan, causal=causal)
-        w, dl, ds = _grad_terms(s, valid, logit, m_ref[r, qs], do, v, dden_ref[r, qs], plan)
-        return (dk + dot(ds, q, plan, trans_a=True), dv + dot(w, do, plan, trans_a=True),
-                dg - jnp.sum(dl, axis=0))
+    def visit(carry, queries, decay, diagonal):  # every query head r of the group
+        def one_head(r, carry):
+            dk, dv, dg = carry
+            q, do = q_ref[r, queries, :], do_ref[r, queries, :]
+            s, valid, logit = _scores(q, k, decay, plan, diagonal=diagonal)
+            w, dl, ds = _grad_terms(s, valid, logit, m_ref[r, queries], do, v,
+                                    dden_ref[r, queries], plan)
+            return (dk + dot(ds, q, plan, trans_a=True), dv + dot(w, do, plan, trans_a=True),
+                    dg - jnp.sum(dl, axis=0))
+        return jax.lax.fori_loop(0, groups, one_head, carry)
 
-    init = (jnp.zeros((bk, plan.d), jnp.float32), jnp.zeros((bk, plan.e), jnp.float32),
-            jnp.zeros((bk,), jnp.float32))
-    fori = jax.lax.fori_loop
-    carry = fori(0, groups * blocks[True][1], lambda it, c: body(it, c, causal=True), init)
-    dk, dv, dg = fori(0, groups * blocks[False][1], lambda it, c: body(it, c, causal=False),
-                      carry)
+    kk = plan.attn_bq
+    init = (jnp.zeros((kk, plan.d), jnp.float32), jnp.zeros((kk, plan.e), jnp.float32),
+            jnp.zeros((kk,), jnp.float32))
+    carry = visit(init, own, _diagonal_decay(a_ref[own], plan), True)
+
+    def body(step, state):  # query block i = j + 1 + step, walking away from the diagonal
+        carry, mid = state
+        queries = _block(j + 1 + step, plan)
+        carry = visit(carry, queries, hd_ref[queries][:, None] + (mid + tail[None, :]), False)
+        return carry, mid + jnp.sum(a_ref[queries])
+
+    steps = plan.c // kk - 1 - j
+    dk, dv, dg = jax.lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))[0]
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     dg_ref[...] = dg
@@ -161,44 +190,54 @@ def _specs(plan: Plan, hq: int, groups: int):
     return per_query, per_kv_chunk
 
 
-def attention_fwd(q, k, v, g, plan: Plan):
-    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) in float32; see the module docstring."""
+def _check_square_blocks(plan: Plan) -> None:
+    if plan.attn_bq != plan.attn_bk:  # the diagonal block's decays assume one block size
+        raise ValueError(f"attention kernels need attn_bq == attn_bk, got {plan.attn_bq} x "
+                         f"{plan.attn_bk}")
+
+
+def attention_fwd(q, k, v, a, head, tail, plan: Plan):
+    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) in float32 for log gates a and their
+    `block_gate_sums` (head, tail), each [B,Hk,N,C]; see the module docstring."""
+    _check_square_blocks(plan)
     b, hq, n, c, d = q.shape
     groups = hq // k.shape[1]
     per_query, per_kv = _specs(plan, hq, groups)
     f32 = jnp.float32
+    rows = plan.attn_bq
     return launch(
         lambda *refs: _fwd_kernel(*refs, plan=plan), plan=plan, name="sympow_attention_fwd",
-        grid=(c // plan.attn_bq, n, b * hq),
-        in_specs=[per_query(plan.attn_bq, d), per_kv(d), per_kv(plan.e), per_kv()],
-        out_specs=[per_query(plan.attn_bq, plan.e), per_query(plan.attn_bq),
-                   per_query(plan.attn_bq)],
+        grid=(c // rows, n, b * hq),
+        in_specs=[per_query(rows, d), per_kv(d), per_kv(plan.e), per_kv(), per_kv(), per_kv()],
+        out_specs=[per_query(rows, plan.e), per_query(rows), per_query(rows)],
         out_shape=[jax.ShapeDtypeStruct((b, hq, n, c, plan.e), f32),
                    jax.ShapeDtypeStruct((b, hq, n, c), f32),
                    jax.ShapeDtypeStruct((b, hq, n, c), f32)],
-        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, g)
+        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, a, head, tail)
 
 
-def attention_bwd(q, k, v, g, m, do, dden, plan: Plan):
-    """(dq, dk, dv, dg) of `attention_fwd` for cotangents (do, dden); m carries none."""
+def attention_bwd(q, k, v, a, head, tail, m, do, dden, plan: Plan):
+    """(dq, dk, dv, dG) of `attention_fwd` for cotangents (do, dden); m carries none. dG
+    [B,Hk,N,C] is the cotangent of the within-chunk cumulative gate sum G."""
+    _check_square_blocks(plan)
     b, hq, n, c, d = q.shape
     hk = k.shape[1]
     groups = hq // hk
-    e = plan.e
+    e, rows = plan.e, plan.attn_bq
     per_query, per_kv = _specs(plan, hq, groups)
     do = do.astype(plan.mm_dtype)
     dq, dg_q = launch(
         lambda *refs: _dq_kernel(*refs, plan=plan), plan=plan, name="sympow_attention_dq",
-        grid=(c // plan.attn_bq, n, b * hq),
-        in_specs=[per_query(plan.attn_bq, d), per_kv(d), per_kv(e), per_kv(),
-                  per_query(plan.attn_bq), per_query(plan.attn_bq, e), per_query(plan.attn_bq)],
-        out_specs=[per_query(plan.attn_bq, d), per_query(plan.attn_bq)],
+        grid=(c // rows, n, b * hq),
+        in_specs=[per_query(rows, d), per_kv(d), per_kv(e), per_kv(), per_kv(), per_kv(),
+                  per_query(rows), per_query(rows, e), per_query(rows)],
+        out_specs=[per_query(rows, d), per_query(rows)],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, n, c), jnp.float32)],
-        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, g, m, do, dden)
+        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, a, head, tail, m, do, dden)
 
     def per_key(width=None):  # [B, Hk, N, C(, W)] at key block x
-        shape = (None, None, None, plan.attn_bk) + (() if width is None else (width,))
+        shape = (None, None, None, rows) + (() if width is None else (width,))
         return pl.BlockSpec(shape, lambda x, n_, bh: (*split_heads(bh, hk), n_, x)
                             + (() if width is None else (0,)))
 
@@ -211,12 +250,12 @@ def attention_bwd(q, k, v, g, m, do, dden, plan: Plan):
                                lambda x, n_, bh: (*split_heads(bh, hk), n_, 0))
     dk, dv, dg_k = launch(
         lambda *refs: _dkv_kernel(*refs, plan=plan, groups=groups), plan=plan,
-        name="sympow_attention_dkv", grid=(c // plan.attn_bk, n, b * hk),
-        in_specs=[per_group(d), per_key(d), per_key(e), whole_chunk, per_group(),
-                  per_group(e), per_group()],
+        name="sympow_attention_dkv", grid=(c // rows, n, b * hk),
+        in_specs=[per_group(d), per_key(d), per_key(e), whole_chunk, whole_chunk, whole_chunk,
+                  per_group(), per_group(e), per_group()],
         out_specs=[per_key(d), per_key(e), per_key()],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    jax.ShapeDtypeStruct((b, hk, n, c), jnp.float32)],
-        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, g, m, do, dden)
+        warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, a, head, tail, m, do, dden)
     dg = dg_k + dg_q.reshape(b, hk, groups, n, c).sum(axis=2)
     return dq, dk, dv, dg

@@ -44,8 +44,9 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
     Shapes the kernels do not take natively run padded inside each primitive, outputs sliced
     back (so states and outputs keep the caller's shapes): a value width e that is not a power
     of two >= 16 gets zero columns, a chunk C that is not one gets zero rows at its end (zero
-    keys add nothing, causality keeps the real rows from the padded ones, and g is padded
-    with its last value so the chunk's decay is unchanged).
+    keys add nothing, causality keeps the real rows from the padded ones; log gates and
+    suffix sums are padded with 0 and the inclusive sums g with their last value, so no real
+    decay changes).
     """
 
     def plan_for(d, e, c, dtype) -> Plan | None:
@@ -65,11 +66,11 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
     def cols(x, plan):
         return _pad(x, -1, plan.e)
 
-    def update_state_(k, v, g, *, p):
+    def update_state_(k, v, tail, *, p):
         plan = plan_for(k.shape[-1], v.shape[-1], k.shape[3], k.dtype)
         if plan is None:
-            return xla.update_state(k, v, g, p=p)
-        s, z = vjps.update_state(plan, rows(k, plan), rows(cols(v, plan), plan), gates(g, plan))
+            return xla.update_state(k, v, tail, p=p)
+        s, z = vjps.update_state(plan, rows(k, plan), rows(cols(v, plan), plan), rows(tail, plan))
         return s[..., :v.shape[-1]], z
 
     def prefix_sum_(s, z, g_last):
@@ -84,13 +85,13 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
         index, scale = to_symmetric_layout(d, config.p, tile)
         return s_in, z_in, s_fin[..., index, :] * scale[:, None], z_fin[..., index] * scale
 
-    def attention_(q, k, v, g, *, p):
+    def attention_(q, k, v, a, *, p):
         c, e = q.shape[3], v.shape[-1]
         plan = plan_for(q.shape[-1], e, c, q.dtype)
         if plan is None:
-            return xla.attention(q, k, v, g, p=p)
+            return xla.attention(q, k, v, a, p=p)
         o, den, m = vjps.attention(plan, rows(q, plan), rows(k, plan), rows(cols(v, plan), plan),
-                              gates(g, plan))
+                              rows(a, plan))
         return o[..., :c, :e], den[..., :c], m[..., :c]
 
     def query_state_(q, s_in, z_in, g, o, den, m, *, p):

@@ -20,32 +20,28 @@ from sympow.attention.pallas.plan import Plan, PrefixPlan
 class UpdateResiduals(NamedTuple):
     k: jax.Array
     v: jax.Array
-    g: jax.Array
-
-
-def _update_log_scale(g, p):
-    return (g[..., -1:] - g) / p  # [B, Hk, N, C], <= 0
+    tail: jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def update_state(plan: Plan, k, v, g):
-    return _update_fwd(plan, k, v, g)[0]
+def update_state(plan: Plan, k, v, tail):
+    """Per-chunk states with each key decayed by exp(tail) (tail <= 0, [B, Hk, N, C])."""
+    return _update_fwd(plan, k, v, tail)[0]
 
 
-def _update_fwd(plan, k, v, g):
-    s, z = state_kernels.rows_to_state(k, _update_log_scale(g, plan.p), v, None, plan,
+def _update_fwd(plan, k, v, tail):
+    s, z = state_kernels.rows_to_state(k, tail / plan.p, v, None, plan,
                                       name="sympow_update_state")
-    return (s, z), UpdateResiduals(k, v, g)
+    return (s, z), UpdateResiduals(k, v, tail)
 
 
 def _update_bwd(plan, res: UpdateResiduals, cts):
     ds, dz = cts
-    ls = _update_log_scale(res.g, plan.p)
+    ls = res.tail / plan.p  # phi(K e^ls) = e^tail phi(K): the kernels scale rows by e^ls
     dk, dls = state_kernels.rows_grad(res.k, ls, ds, dz, res.v, None, plan,
                                      name="sympow_update_state_dk")
     dv = state_kernels.rows_product(res.k, ls, ds, plan, name="sympow_update_state_dv")
-    dls = dls / plan.p  # ls = (g_last - g) / p
-    return dk, dv, (-dls).at[..., -1].add(dls.sum(axis=-1))
+    return dk, dv, dls / plan.p
 
 
 update_state.defvjp(_update_fwd, _update_bwd)
@@ -80,23 +76,30 @@ class AttentionResiduals(NamedTuple):
     q: jax.Array
     k: jax.Array
     v: jax.Array
-    g: jax.Array
+    a: jax.Array
     m: jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: Plan, q, k, v, g):
-    return attention_kernels.attention_fwd(q, k, v, g, plan)
+def attention(plan: Plan, q, k, v, a):
+    """Intra-chunk attention (o, den, m) for log gates a [B, Hk, N, C] (attention_kernels)."""
+    return _attention_fwd(plan, q, k, v, a)[0]
 
 
-def _attention_fwd(plan, q, k, v, g):
-    o, den, m = attention_kernels.attention_fwd(q, k, v, g, plan)
-    return (o, den, m), AttentionResiduals(q, k, v, g, m)
+def _attention_fwd(plan, q, k, v, a):
+    head, tail = attention_kernels.block_gate_sums(a, plan)
+    o, den, m = attention_kernels.attention_fwd(q, k, v, a, head, tail, plan)
+    return (o, den, m), AttentionResiduals(q, k, v, a, m)
 
 
 def _attention_bwd(plan, res: AttentionResiduals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
-    return attention_kernels.attention_bwd(*res, do, dden, plan)
+    head, tail = attention_kernels.block_gate_sums(res.a, plan)
+    dq, dk, dv, dg = attention_kernels.attention_bwd(res.q, res.k, res.v, res.a, head, tail,
+                                                     res.m, do, dden, plan)
+    # dg is dL/dG_t of the logits as functions of G_i - G_j (G = cumsum a within the chunk);
+    # d(G_i - G_j)/da_k = [j < k <= i], so da_k = sum_{t >= k} dG_t.
+    return dq, dk, dv, jnp.flip(jnp.cumsum(jnp.flip(dg, -1), axis=-1), -1)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
