@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import numpy as np
 import pytest
+
+from sympow.attention.testing import float64_enabled
 
 
 @pytest.fixture
 def x64():
     """Enable float64 inside one test (exactness checks of the math), then restore."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
+    with float64_enabled():
         yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
 
 
 @pytest.fixture
