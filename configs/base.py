@@ -19,6 +19,10 @@ Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.
                     schedule ('constant' | 'cosine'), warmup_steps, min_lr_ratio
   microbatches      gradient accumulation slices per step (same update, less memory)
   log_every, checkpoint_every, max_checkpoints, keep_checkpoint_period, final_loss_steps
+  max_loss_ratio    stop with an error (like a NaN loss) once a logged loss exceeds this many
+                    times the first loss the process logged (after a resume: the first since
+                    it): a diverged run fails instead of reporting success (default 10; 0
+                    turns the check off)
   eval.*            contextwise evaluation defaults: length, num_windows, batch_size
 
 Paper setting (docs/references.md: [sympow] §2; [conformal] §4): a GPT-2 small (124M) shaped
@@ -31,6 +35,10 @@ The config arg (after ``:`` in ``--config configs/x.py:ARG``) is a comma-separat
 ``key=value`` items and bare words: a variant name, ``runlocal`` (a tiny smoke version, size
 'micro', that runs on a CPU with the embedded corpus in seconds), e.g.
 ``conformal,p=4,context=1024,runlocal``.
+
+Every field is checked after all overrides (``sympow.train.config.validate``): e.g.
+``--config.variant=flash`` or a variant that is not the model's preset is a ValueError
+naming the field and the allowed values; choose the variant with the config arg.
 """
 
 from __future__ import annotations
@@ -171,6 +179,7 @@ def get_base_config(*, variant: str = "conformal", p: int = 2, context_size: int
     config.max_checkpoints = 3
     config.keep_checkpoint_period = 10_000  # also keep every 10k steps (for evaluate --steps)
     config.final_loss_steps = 0  # 0: the last 10% of steps
+    config.max_loss_ratio = 10.0  # loss > 10x its first value: diverged, stop (0: no check)
     config.eval = ml_collections.ConfigDict({
         "length": 65536,
         "num_windows": 128,

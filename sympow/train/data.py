@@ -36,14 +36,15 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def open_loader(data, split: str, docs_per_batch: int, context_size: int, *,
-                sharded: bool = True) -> LongCrawl64:
+                vocab_size: int | None = None, sharded: bool = True) -> LongCrawl64:
     """A ``LongCrawl64`` on ``data.path``; ``sharded=False`` reads whole rectangles on every
-    process (for replicated evaluation batches)."""
+    process (for replicated evaluation batches). ``vocab_size`` (the model's): every batch is
+    checked to hold only ids below it."""
     kwargs = {} if sharded else {"process_index": 0, "process_count": 1}
     try:
         return LongCrawl64(data.path, split, docs_per_batch, context_size,
                            prefetch=int(data.get("prefetch", 2)),
-                           backend=data.get("backend", "auto"), **kwargs)
+                           backend=data.get("backend", "auto"), vocab_size=vocab_size, **kwargs)
     except ValueError as error:
         hint = ""
         if "documents in" in str(error) and str(data.path) == str(AUSTEN_PATH):

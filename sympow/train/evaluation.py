@@ -54,7 +54,8 @@ class WindowSource:
     process reading its own rows), else replicated (every process reads whole batches).
     """
 
-    def __init__(self, data, length: int, num_windows: int, batch_size: int, mesh):
+    def __init__(self, data, length: int, num_windows: int, batch_size: int, mesh,
+                 vocab_size: int | None = None):
         self.length = int(length)
         self.loader_length = datalib.window_loader_length(self.length)
         docs = LongCrawl64(data.path, "heldout", 1, self.loader_length, process_index=0,
@@ -64,7 +65,7 @@ class WindowSource:
         self.sharded = self.batch_size % mesh.size == 0
         self.sharding = (datalib.batch_sharded if self.sharded else datalib.replicated)(mesh)
         self.ds = datalib.open_loader(data, "heldout", self.batch_size, self.loader_length,
-                                      sharded=self.sharded)
+                                      vocab_size=vocab_size, sharded=self.sharded)
         self.num_batches = min(math.ceil(int(num_windows) / self.batch_size), len(self.ds))
         if self.num_batches < 1:
             raise ValueError(f"num_windows: need >= 1, got {num_windows}")
@@ -95,19 +96,40 @@ def jit_contextwise(mdef: ModelDef, mesh):
     return jax.jit(make_contextwise_fn(mdef), out_shardings=rep)
 
 
+def _is_count(value, minimum: int = 1) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
+        value >= minimum)
+
+
+def parse_steps(steps: str | Sequence[int] | None) -> str | list[int]:
+    """``'latest'`` (also None), ``'all'``, or a list of step numbers (``'1000,2000'`` or a
+    sequence of ints); ValueError naming ``steps`` for anything else (also ``''``)."""
+    if steps is None or steps in ("latest", "all"):
+        return steps or "latest"
+    if isinstance(steps, str):
+        items = [item.strip() for item in steps.split(",")]
+        if not all(item.isascii() and item.isdigit() for item in items):
+            raise ValueError(f"steps: {steps!r} is not 'latest', 'all' or comma-separated "
+                             "step numbers")
+        return [int(item) for item in items]
+    steps = list(steps)
+    if not steps or not all(_is_count(s, minimum=0) for s in steps):
+        raise ValueError(f"steps: need 'latest', 'all' or step numbers >= 0, got {steps!r}")
+    return steps
+
+
 def resolve_steps(workdir, steps: str | Sequence[int] | None) -> list[int]:
     """'latest' (default), 'all', or explicit steps -> existing checkpoint steps."""
+    steps = parse_steps(steps)
     ckpt = Checkpointer(checkpoint_dir(workdir), read_only=True)
     available = ckpt.all_steps()
     ckpt.close()
     if not available:
         raise FileNotFoundError(f"workdir: no checkpoints in {checkpoint_dir(workdir)}")
-    if steps is None or steps == "latest":
+    if steps == "latest":
         return [available[-1]]
     if steps == "all":
         return available
-    if isinstance(steps, str):
-        steps = [int(s) for s in steps.split(",") if s.strip()]
     missing = sorted(set(steps) - set(available))
     if missing:
         raise ValueError(f"steps: {missing} not among the checkpoints {available} of {workdir}")
@@ -120,9 +142,15 @@ def evaluate_workdir(workdir, steps: str | Sequence[int] | None = "latest", *,
                      label: str | None = None, mesh=None) -> list[Curve]:
     """Contextwise curves of checkpoints of a training workdir, with that run's config.
 
-    Defaults come from the run's ``config.eval`` (length, num_windows, batch_size); the data
-    store is the run's unless ``data_path`` is given.
+    Defaults (None) come from the run's ``config.eval`` (length, num_windows, batch_size);
+    given values must be positive ints. The data store is the run's unless ``data_path`` is
+    given. Arguments are checked (ValueError naming each) before anything is read.
     """
+    parse_steps(steps)
+    for name, value in (("length", length), ("num_windows", num_windows),
+                        ("batch_size", batch_size)):
+        if value is not None and not _is_count(value):
+            raise ValueError(f"{name}: need a positive int, got {value!r}")
     workdir = Path(workdir)
     config = configlib.load_workdir_config(workdir)
     ev = config.get("eval", {})
@@ -137,7 +165,8 @@ def evaluate_workdir(workdir, steps: str | Sequence[int] | None = "latest", *,
     rep = datalib.replicated(mesh)
     mdef = model_def(config.model)
     fn = jit_contextwise(mdef, mesh)
-    source = WindowSource(data, length, num_windows, batch_size, mesh)
+    source = WindowSource(data, length, num_windows, batch_size, mesh,
+                          vocab_size=int(config.model.vocab_size))
     abstract = with_sharding({"params": mdef.abstract_params, "rest": mdef.abstract_rest}, rep)
     curves = []
     ckpt = Checkpointer(checkpoint_dir(workdir), read_only=True)

@@ -7,6 +7,7 @@ rate 6e-4 and no schedule; ``schedule='cosine'`` (linear warmup then cosine deca
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,37 @@ import jax
 import optax
 
 SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adam", "adamw")
+
+# field -> (test of its value, what the test needs), for ``check_optim``'s messages.
+_NUMBER_RULES = {
+    "learning_rate": (lambda x: 0 < x < math.inf, "a finite number > 0"),
+    "b1": (lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    "b2": (lambda x: 0 <= x < 1, "a number in [0, 1)"),
+    "eps": (lambda x: 0 < x < math.inf, "a finite number > 0"),
+    "weight_decay": (lambda x: 0 <= x < math.inf, "a finite number >= 0"),
+    "grad_clip": (lambda x: 0 <= x < math.inf, "a finite number >= 0 (0: no clipping)"),
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "a number in [0, 1]"),
+    "warmup_steps": (lambda x: x >= 0 and float(x).is_integer(), "an int >= 0"),
+}
+
+
+def check_optim(optim: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the first ``config.optim`` field that is out of range."""
+    name = optim.get("name", "adamw")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name: {name!r} not in {OPTIMIZERS}")
+    if optim.get("schedule", "constant") not in SCHEDULES:
+        raise ValueError(f"optim.schedule: {optim['schedule']!r} not in {SCHEDULES}")
+    if optim.get("learning_rate") is None:
+        raise ValueError("optim.learning_rate: missing")
+    for key, (ok, need) in _NUMBER_RULES.items():
+        value = optim.get(key)
+        if value is None:
+            continue  # optional: make_optimizer's default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not ok(value):
+            raise ValueError(f"optim.{key}: need {need}, got {value!r}")
 
 
 def learning_rate_schedule(optim: Mapping[str, Any], num_train_steps: int) -> optax.Schedule:
@@ -38,10 +70,9 @@ def _decay_mask(params):
 
 
 def make_optimizer(optim: Mapping[str, Any], num_train_steps: int):
-    """(optax transformation, schedule) for ``config.optim``."""
+    """(optax transformation, schedule) for ``config.optim`` (checked by ``check_optim``)."""
+    check_optim(optim)
     name = optim.get("name", "adamw")
-    if name not in ("adam", "adamw"):
-        raise ValueError(f"optim.name: {name!r} not in ('adam', 'adamw')")
     schedule = learning_rate_schedule(optim, num_train_steps)
     parts = []
     if float(optim.get("grad_clip", 0.0)) > 0:

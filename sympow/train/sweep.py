@@ -69,9 +69,11 @@ def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str]
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     runs = load_sweep(spec)
-    for i, config in enumerate(runs):
+    for config in runs:  # every run checked before the first one trains
         for item in overrides:
             configlib.apply_override(config, item)
+        configlib.validate(config)
+    for i, config in enumerate(runs):
         name = run_name(config)
         run_dir = workdir / name
         log.info("sweep run %d/%d: %s", i + 1, len(runs), name)

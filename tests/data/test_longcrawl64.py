@@ -6,32 +6,15 @@ import shutil
 import threading
 import time
 
-import numcodecs
 import numpy as np
 import pytest
 import zarr
 
-from sympow.data import EOT, LongCrawl64, MissingChunkError
+from sympow.data import EOT, LongCrawl64, MissingChunkError, TokenRangeError
+from tests.data.helpers import COLS, pattern, write_store
 
-COLS = 65536
 TRAIN_DOCS, HELDOUT_DOCS = 8, 3
 BACKENDS = ["zarr", "tensorstore"]
-
-
-def pattern(rows, cols):
-    """The token the test stores hold at (doc, column): (doc * 7 + column) % 50000."""
-    return (np.asarray(rows)[:, None] * 7 + np.asarray(cols)[None, :]) % 50000
-
-
-def write_store(path, docs, cols=COLS, chunks=(2048, 2048), separator=".", dtype="uint16"):
-    """A LongCrawl64-layout zarr v2 array holding ``pattern``."""
-    array = zarr.create_array(
-        store=str(path), shape=(docs, cols), chunks=chunks, dtype=dtype, fill_value=0,
-        zarr_format=2, compressors=numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1),
-        chunk_key_encoding={"name": "v2", "separator": separator},
-        config={"write_empty_chunks": True},
-    )
-    array[...] = pattern(range(docs), range(cols)).astype(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +200,20 @@ def test_missing_chunk_raises(request, tmp_path, root_fixture, key, k, backend):
         ds.check_store()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_ids_beyond_the_vocabulary_raise(tmp_path, prefetch):
+    tokens = pattern(range(4), range(COLS))  # all < 50000
+    tokens[3, 5000] = 60000
+    write_store(tmp_path / "train.zarr", 4, tokens=tokens)
+    ds = make(tmp_path, dpb=2, ctx=4096, vocab_size=50304, prefetch=prefetch)
+    np.testing.assert_array_equal(ds[0][1], tokens[:2, :4096])  # clean batches still read
+    with pytest.raises(TokenRangeError, match=r"token id 60000 at document 3, column 5000 of "
+                       r".*train.zarr is >= vocab_size 50304 \(1 such ids"):
+        list(ds.iterate())  # batch 3 = rows 2-3 x columns 4096-8191
+    assert issubclass(TokenRangeError, ValueError)
+    assert make(tmp_path, dpb=2, ctx=4096)[3][1].max() == 60000  # no vocab_size: no check
+
+
 def test_check_store_counts_chunks(store, small_chunks):
     assert make(store).check_store() == 32
     assert make(small_chunks).check_store() == 4 * 66
@@ -233,6 +230,8 @@ def test_invalid_arguments(store, tmp_path):
         (dict(process_index=2, process_count=2), "process_index"),
         (dict(prefetch=-1), "prefetch"),
         (dict(backend="hdf5"), "backend"),
+        (dict(vocab_size=0), "vocab_size: need a positive int"),
+        (dict(vocab_size=256), "vocab_size: 256 <= 50256, the end-of-text token"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -1,4 +1,5 @@
-"""Shared by the tests of sympow.train: the repo's config paths and a tiny fp32 run config.
+"""Shared by the tests of sympow.train: the repo's config paths, a tiny fp32 run config, and
+faults (a full disk, truncated checkpoint files, another process holding a workdir's lock).
 
 Tiny models (1-2 layers, d_model 32-64, contexts 32-128) on the embedded Austen store keep
 the suite to a few minutes on a 2-core CPU; most of that is XLA compiling the steps.
@@ -6,6 +7,11 @@ the suite to a few minutes on a 2-core CPU; most of that is XLA compiling the st
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from sympow.train import config as configlib
@@ -36,3 +42,44 @@ def tiny_config(spec: str = REF_SPEC, overrides=(), base=REF_OVERRIDES):
 def losses(workdir) -> dict[int, float]:
     """step -> logged training loss of a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in read_metrics(workdir)}
+
+
+# A process that takes the lock of the workdir argv[1], says 'locked', and waits to be killed.
+HOLD_LOCK = ("import sys, time; from sympow.train.workdir import WorkdirLock; "
+             "WorkdirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(300)")
+
+
+@contextlib.contextmanager
+def lock_holder(workdir):
+    """A child process holding the workdir's lock for the block (killed at its end)."""
+    child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(workdir)], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def truncate_data_files(step_dir) -> None:
+    """Halves every array data file of a saved step (a save cut short by a crash or a full
+    disk, outside orbax's atomic rename)."""
+    files = list(step_dir.glob("*/d/*"))
+    assert files, f"no data files under {step_dir}"
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes fail with EFBIG (a disk that fills up, without root)."""
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills us
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)

@@ -67,3 +67,44 @@ def test_workdir_copy_round_trip_and_diff(tmp_path):
         "extra: None -> 1", "optim.learning_rate: 0.0006 -> 0.001"]
     with pytest.raises(FileNotFoundError, match="not a training run"):
         configlib.load_workdir_config(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("override, match", [
+    ("variant=flash", r"variant: 'flash' not in \['conformal', 'softmax', 'sympow', "
+                      r"'sympow_gating'\]; choose it with the config arg"),
+    # A preset name that is not the model's would mislabel the run (summaries, sweeps, plots).
+    ("variant=softmax", r"variant: 'softmax' is the preset .* but the model has "
+                        r"\{'attention': 'sympow', 'gating': True, 'rotary': 'learned'\}"),
+    ("model.rotary=fixed", r"variant: 'conformal' is the preset .* \{'rotary': 'fixed'\}"),
+    ("num_train_steps=-1", "num_train_steps: need an int >= 0, got -1"),
+    ("microbatches=0", "microbatches: need a positive int, got 0"),
+    ("max_checkpoints=0", "max_checkpoints: need a positive int or None, got 0"),
+    ("keep_checkpoint_period=-5", r"keep_checkpoint_period: need an int >= 0 \(0: none\)"),
+    ("final_loss_steps=-1", "final_loss_steps: need an int >= 0"),
+    ("max_loss_ratio=0.5", r"max_loss_ratio: need 0 \(check off\) or a number > 1, got 0.5"),
+    ("model.p=3", "model.p: need a positive even int, got 3"),
+    ("data.docs_per_batch=-4", "data.docs_per_batch: need a positive int, got -4"),
+    ("eval.batch_size=-1", "eval.batch_size: need a positive int, got -1"),
+    ("optim.learning_rate=-1", r"optim.learning_rate: need a finite number > 0, got -1.0"),
+    ("optim.learning_rate=1e999", r"optim.learning_rate: need a finite number > 0, got inf"),
+    ("optim.b1=2", r"optim.b1: need a number in \[0, 1\), got 2.0"),
+    ("optim.grad_clip=-1", r"optim.grad_clip: need a finite number >= 0 \(0: no clipping\)"),
+    ("optim.warmup_steps=-3", "optim.warmup_steps: need an int >= 0, got -3"),
+    ("optim.schedule=linear", "optim.schedule: 'linear' not in"),
+])
+def test_the_resolved_config_is_validated(override, match):
+    """``load_config`` checks the config after its overrides; ``validate`` is what
+    ``train`` calls on a config from absl's ``--config.a.b=value`` flags."""
+    with pytest.raises(ValueError, match=match):
+        configlib.load_config(QUICKSTART, [override])
+    config = configlib.load_config(QUICKSTART)
+    configlib.apply_override(config, override)  # as absl's flags do: no validation
+    with pytest.raises(ValueError, match=match):
+        configlib.validate(config)
+
+
+def test_max_checkpoints_none_and_defaults_are_valid():
+    config = configlib.load_config(QUICKSTART, ["max_checkpoints=None", "max_loss_ratio=0"])
+    assert config.max_checkpoints is None and config.max_loss_ratio == 0.0
+    del config["max_loss_ratio"]  # a config saved before the field existed
+    configlib.validate(config)

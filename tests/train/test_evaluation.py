@@ -1,6 +1,7 @@
 """sympow.train.evaluation: the jitted per-position loss against an unjitted computation,
 windows longer than the training context (and of lengths that are not powers of two), the
-workdir evaluation with its CSV / JSON / PNG outputs, and the command line with an overlay."""
+workdir evaluation with its CSV / JSON / PNG outputs, the command line with an overlay, and
+bad arguments (each a ValueError naming it, raised before anything is read)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,42 @@ def test_evaluate_cli_overlay(trained, tmp_path):
     assert "mean loss over 1..40" in proc.stdout
 
 
+
+
+@pytest.mark.parametrize("steps, want", [
+    (None, "latest"), ("latest", "latest"), ("all", "all"), ("1000, 2000", [1000, 2000]),
+    ([3], [3]),
+])
+def test_parse_steps(steps, want):
+    assert evaluation.parse_steps(steps) == want
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=-1), "batch_size: need a positive int, got -1"),
+    (dict(batch_size=0), "batch_size: need a positive int, got 0"),
+    (dict(length=0), "length: need a positive int, got 0"),
+    (dict(num_windows=2.5), "num_windows: need a positive int, got 2.5"),
+    (dict(steps=""), r"steps: '' is not 'latest', 'all' or comma-separated step numbers"),
+    (dict(steps="1,,2"), r"steps: '1,,2' is not"),
+    (dict(steps="last"), r"steps: 'last' is not"),
+    (dict(steps=[]), r"steps: need 'latest', 'all' or step numbers >= 0, got \[\]"),
+    (dict(steps=[-1]), r"steps: need .* got \[-1\]"),
+])
+def test_bad_arguments_raise_before_anything_is_read(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        evaluation.evaluate_workdir(tmp_path / "not_a_run", **kwargs)
+
+
+@pytest.mark.parametrize("flag, match", [
+    ("--steps=", "ValueError: steps: '' is not 'latest', 'all'"),  # was an IndexError
+    ("--batch_size=-1", "flag --batch_size=-1: -1 is not a positive integer"),  # was accepted
+])
+def test_evaluate_cli_rejects_bad_flags(tmp_path, flag, match):
+    cmd = [sys.executable, str(ROOT / "experiments" / "evaluate.py"), f"--workdir={tmp_path}",
+           flag]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and match in proc.stderr, proc.stderr
+    assert "IndexError" not in proc.stderr
 
 
 def test_log_binned():

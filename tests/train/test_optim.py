@@ -1,5 +1,5 @@
 """sympow.train.optim: learning-rate schedules at given steps, gradient clipping, weight decay
-on matrices only, invalid names."""
+on matrices only, invalid settings (each a ValueError naming the field)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,15 @@ def test_adam_first_step_moves_each_weight_by_the_learning_rate():
 @pytest.mark.parametrize("fields, match", [
     ({"schedule": "linear"}, "optim.schedule: 'linear'"),
     ({"name": "sgd"}, "optim.name: 'sgd'"),
+    ({"learning_rate": 0.0}, r"optim.learning_rate: need a finite number > 0, got 0.0"),
+    ({"learning_rate": float("nan")}, "optim.learning_rate: need a finite number > 0, got nan"),
+    ({"learning_rate": None}, "optim.learning_rate: missing"),
+    ({"learning_rate": True}, "optim.learning_rate: need a finite number > 0, got True"),
+    ({"b2": 1.0}, r"optim.b2: need a number in \[0, 1\), got 1.0"),
+    ({"eps": 0}, "optim.eps: need a finite number > 0, got 0"),
+    ({"warmup_steps": 2.5}, "optim.warmup_steps: need an int >= 0, got 2.5"),
+    ({"min_lr_ratio": 1.5}, r"optim.min_lr_ratio: need a number in \[0, 1\]"),
 ])
-def test_invalid_names_raise(fields, match):
+def test_invalid_settings_raise(fields, match):
     with pytest.raises(ValueError, match=match):
         make_optimizer(optim(**fields), num_train_steps=10)

@@ -52,3 +52,14 @@ def test_run_names_are_preset_names():
                       "contexts=1024")
     assert [run_name(c) for c in runs] == ["softmax_ctx1024", "sympow_gating_p2_ctx1024",
                                            "conformal_p2_ctx1024"]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("variant=flash", r"variant: 'flash' not in \['conformal', "),
+    ("optim.learning_rate=0", r"optim.learning_rate: need a finite number > 0, got 0.0"),
+])
+def test_invalid_overrides_stop_the_sweep_before_any_run(tmp_path, override, match):
+    spec = f"{CONFIGS / 'sweep_p2.py'}:runlocal,variants=softmax+conformal,contexts=64,steps=1"
+    with pytest.raises(ValueError, match=match):
+        run_sweep(spec, tmp_path, overrides=[override], progress=False)
+    assert list(tmp_path.iterdir()) == []  # no run folder, nothing trained
