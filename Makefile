@@ -1,5 +1,5 @@
 # Two entry points that work on a bare CPU machine with Python >= 3.11 (see README):
-#   make demo   install, train the quickstart model on the embedded corpus, plot contextwise loss
+#   make demo   install, train softmax and conformal quickstart models on the embedded corpus, plot both
 #   make test   install, run the test suite
 VENV ?= .venv
 PYTHON ?= python3

@@ -6,23 +6,24 @@ Adam at 3e-3 after a 20-step warmup (the tiny model and short run want a larger 
 papers' 6e-4), bf16 compute. Data: the
 embedded corpus ``sympow.data.AUSTEN_PATH``. Evaluation: 16 held-out windows of 2,048 tokens.
 
-Launch (the ``make demo`` job; experiments/demo.sh also evaluates and plots):
+Launch (the ``make demo`` job trains this config as softmax and as conformal, then overlays
+both contextwise curves; experiments/demo.sh):
 
-    python experiments/train.py --config configs/quickstart.py --workdir runs/quickstart
-    python experiments/evaluate.py --workdir runs/quickstart
+    python experiments/train.py --config configs/quickstart.py --workdir runs/quickstart/conformal
+    python experiments/evaluate.py --workdir runs/quickstart/conformal
 
 Arg: a variant (softmax | sympow | sympow_gating, alias gating | conformal; default
 conformal), ``p=4``, ``context=N``, ``steps=N``, ``runlocal`` (a ~20-step smoke run), e.g.
 ``--config configs/quickstart.py:softmax,steps=100``.
 
-Expected result (2-core CPU, jax 0.10.2; deterministic, so the numbers repeat exactly; the
-automatic choice runs the attention form at this context, docs/design.md §5.1): the training
-loss falls from 10.82 (~ln 50304) to 8.67 at step 20, 6.46 at step 100 and 6.15 at step 200
-(summary ``final_loss`` 6.228, the mean of the last 20 steps), in about 2 minutes on an idle
-2-core machine (experiments/demo.sh with evaluation: 2 min 7 s). Contextwise held-out loss
-(Persuasion, 16 windows of 2,048 tokens): mean 6.58 over 1..2048, roughly flat in position
-past the first few tokens (200 steps is too short to learn much use of long context; with 16
-windows the curve is noisy below ~64 positions), and no rise beyond the training context 256.
+Expected result (2-core CPU, jax 0.10.2, 2026-11-23; the automatic choice runs the attention
+form at this context, docs/design.md §5.1): the training loss falls from 10.82 (~ln 50304) to
+about 6.2 (summary ``final_loss`` 6.243 for conformal, 6.216 for softmax: the mean of the
+last 20 steps), about 1 min 50 s per run. Contextwise held-out loss (Persuasion, 16 windows of
+2,048 tokens): positions 1-2 8.22 / 8.39 (conformal / softmax), 64-256 6.66 / 6.64, beyond the
+training context (257-2,048) 6.58 / 6.60: flat past ~64 positions (200 steps is too short to
+learn much use of long context; with 16 windows the curve is noisy below ~64 positions), the
+two variants within noise, and no rise beyond the training context 256.
 """
 
 from configs import base

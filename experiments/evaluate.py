@@ -57,6 +57,12 @@ def main(argv):
         print(f"{c.label}: mean loss over 1..{len(c.losses)} = {c.mean:.4f}{train_ctx}, "
               f"at position {len(c.losses)}: {c.losses[-16:].mean():.4f} "
               f"(last 16 positions), {c.num_windows} windows")
+        if len(c.losses) >= 256:
+            beyond = (f", beyond the training context ({c.train_context + 1}.."
+                      f"{len(c.losses)}): {c.band(c.train_context + 1, len(c.losses)):.4f}"
+                      if c.train_context and c.train_context < len(c.losses) else "")
+            print(f"  positions 1-2: {c.band(1, 2):.4f}, 64-256: {c.band(64, 256):.4f} "
+                  f"(context is worth {c.uses_context():.2f} nats){beyond}")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 

@@ -46,6 +46,20 @@ class Curve:
     def mean(self) -> float:
         return float(np.mean(self.losses))
 
+    def band(self, first: int, last: int) -> float:
+        """Mean loss over positions first..last (1-based, inclusive, clipped to the curve)."""
+        if not 1 <= first <= last:
+            raise ValueError(f"band: need 1 <= first <= last, got {first}..{last}")
+        window = self.losses[first - 1:last]
+        if not len(window):
+            raise ValueError(f"band: positions {first}..{last} are past the curve's "
+                             f"{len(self.losses)}")
+        return float(np.mean(window))
+
+    def uses_context(self) -> float:
+        """How much context helps: loss at positions 1-2 minus loss at 64-256 (nats)."""
+        return self.band(1, 2) - self.band(64, 256)
+
 
 class WindowSource:
     """Batches of held-out windows, as global arrays on ``mesh``.

@@ -160,3 +160,15 @@ def test_csv_round_trip_of_curves_of_different_lengths(tmp_path):
     assert [c.label for c in back] == ["a", "b"]
     np.testing.assert_array_equal(back[0].losses, [1.0, 2.5, 3.25])
     np.testing.assert_array_equal(back[1].losses, [0.123457])
+
+
+def test_curve_bands_and_context_use():
+    losses = np.concatenate([[8.0, 6.0], np.full(61, 5.0), np.full(193, 4.0), np.full(256, 3.0)])
+    curve = evaluation.Curve("c", losses, num_windows=1, train_context=256)
+    assert curve.band(1, 2) == 7.0 and curve.band(64, 256) == 4.0
+    assert curve.uses_context() == 3.0
+    assert curve.band(257, 10_000) == 3.0  # clipped to the curve
+    with pytest.raises(ValueError, match=r"band: need 1 <= first <= last, got 3..2"):
+        curve.band(3, 2)
+    with pytest.raises(ValueError, match=r"band: positions 600..700 are past the curve's 512"):
+        curve.band(600, 700)
