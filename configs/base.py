@@ -15,6 +15,8 @@ Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.
                     ``--config.data.path=/path/to/longcrawl64`` (the folder holding train.zarr
                     and heldout.zarr)
   data.context_size training context T;  data.docs_per_batch: B (global), tokens/step = B * T
+  data.eot          the id that begins every window's inputs (GPT-2's end-of-text, 50256;
+                    the byte-level corpus: 256)
   optim.*           Adam(W): learning_rate, b1, b2, eps, weight_decay, grad_clip,
                     schedule ('constant' | 'cosine'), warmup_steps, min_lr_ratio
   microbatches      gradient accumulation slices per step (same update, less memory)
@@ -48,7 +50,7 @@ import ast
 import ml_collections
 from ml_collections import config_dict
 
-from sympow.data import AUSTEN_PATH
+from sympow.data import AUSTEN_PATH, EOT
 from sympow.layers.model import PRESETS, SIZES, GPTConfig, preset_name
 
 PAPER_SIZE = "small"  # GPT-2 small: 12 layers, 12 heads, d_model 768
@@ -160,6 +162,7 @@ def get_base_config(*, variant: str = "conformal", p: int = 2, context_size: int
         "docs_per_batch": batch_tokens // context_size,
         "backend": "auto",
         "prefetch": 2,
+        "eot": EOT,
     })
     config.optim = ml_collections.ConfigDict({
         "name": "adam",

@@ -13,9 +13,11 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 WORKDIR="${WORKDIR:-runs/quickstart}"
 CONFIG="${CONFIG:-configs/quickstart.py}"
+ARG="${ARG-bytes}"  # the byte-level corpus (fast on a CPU); ARG= for GPT-2 tokens
 
 for variant in softmax conformal; do
-  "$PYTHON" experiments/train.py --config "$CONFIG:$variant" --workdir "$WORKDIR/$variant" "$@"
+  "$PYTHON" experiments/train.py --config "$CONFIG:$variant${ARG:+,$ARG}" \
+    --workdir "$WORKDIR/$variant" "$@"
 done
 "$PYTHON" experiments/evaluate.py --workdir "$WORKDIR/conformal" --compare "$WORKDIR/softmax" \
   --out "$WORKDIR"

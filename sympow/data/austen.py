@@ -13,3 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_STORE = Path(__file__).resolve().parents[2] / "data" / "austen"
+# The same novels at byte level (ids 0-255 the UTF-8 bytes, end-of-text 256), 65,536-byte
+# documents: ``scripts/build_austen_store.py --bytes``; the CPU demo's corpus.
+BYTES_STORE = Path(__file__).resolve().parents[2] / "data" / "austen_bytes"
+BYTES_EOT, BYTES_VOCAB = 256, 257

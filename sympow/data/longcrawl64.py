@@ -181,25 +181,29 @@ class LongCrawl64:
       prefetch: batches ``iterate`` reads ahead in a background thread (0: no thread).
       backend: ``'tensorstore'``, ``'zarr'`` or ``'auto'`` (the first of these installed).
       vocab_size: if given, every batch must hold ids below it (``TokenRangeError``); it must
-        exceed ``EOT``, the first input of every window.
+        exceed ``eot``, the first input of every window.
+      eot: the id that begins every window's inputs: GPT-2's end-of-text ``EOT`` (50256) by
+        default; a store of another vocabulary names its own (the byte-level corpus: 256).
 
     ``ds[k]`` returns ``(inputs, labels)``, both int32 [B / process_count, T] (int32 rather
     than uint32 so they feed embedding lookups and losses directly; ids are < 2**16):
-    labels are the window's tokens, inputs the window shifted right by one with ``EOT``
-    (50256) in column 0.
+    labels are the window's tokens, inputs the window shifted right by one with ``eot`` in
+    column 0.
     """
 
     def __init__(self, path: str | os.PathLike, split: str, docs_per_batch: int,
                  context_size: int, *, process_index: int | None = None,
                  process_count: int | None = None, prefetch: int = 2, backend: str = "auto",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, eot: int = EOT):
         if split not in SPLITS:
             raise ValueError(f"split: {split!r} not in {SPLITS}")
         _check_positive(docs_per_batch=docs_per_batch, context_size=context_size)
+        if not isinstance(eot, (int, np.integer)) or isinstance(eot, bool) or not 0 <= eot < 2**16:
+            raise ValueError(f"eot: need an int id in [0, 65536), got {eot!r}")
         if vocab_size is not None:
             _check_positive(vocab_size=vocab_size)
-            if vocab_size <= EOT:
-                raise ValueError(f"vocab_size: {vocab_size} <= {EOT}, the end-of-text token "
+            if vocab_size <= eot:
+                raise ValueError(f"vocab_size: {vocab_size} <= {eot}, the end-of-text token "
                                  "that begins every window's inputs")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch: need an int >= 0, got {prefetch!r}")
@@ -212,7 +216,7 @@ class LongCrawl64:
         self.path, self.split = Path(path), split
         self.docs_per_batch, self.context_size, self.prefetch = (
             docs_per_batch, context_size, prefetch)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eot = vocab_size, int(eot)
         self._array = _ZarrArray(self.path / f"{split}.zarr", backend)
         docs, columns = self._array.shape
         if context_size > columns or columns % context_size:
@@ -255,7 +259,7 @@ class LongCrawl64:
             raise error
         labels = block.astype(np.int32)  # [B, T]
         inputs = np.empty_like(labels)  # [B, T]
-        inputs[:, 0] = EOT
+        inputs[:, 0] = self.eot
         inputs[:, 1:] = labels[:, :-1]
         return inputs, labels
 

@@ -90,6 +90,7 @@ _RULES = {
     "data.context_size": _POSITIVE_INT,
     "data.docs_per_batch": _POSITIVE_INT,
     "data.prefetch": _NONNEGATIVE_INT,
+    "data.eot": (lambda x: _is_int(x) and 0 <= x < 2**16, "a token id in [0, 65536)"),
     "eval.length": _POSITIVE_INT,
     "eval.num_windows": _POSITIVE_INT,
     "eval.batch_size": _POSITIVE_INT,
@@ -134,6 +135,10 @@ def validate(config) -> None:
         value = _lookup(config, dotted)
         if value is not _MISSING and not ok(value):
             raise ValueError(f"{dotted}: need {need}, got {value!r}")
+    eot, vocab = _lookup(config, "data.eot"), _lookup(config, "model.vocab_size")
+    if eot is not _MISSING and vocab is not _MISSING and not eot < vocab:
+        raise ValueError(f"data.eot: {eot} must be below model.vocab_size {vocab} (it is the "
+                         "first input of every window)")
     check_optim(config.optim)
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sympow.data import AUSTEN_PATH, LongCrawl64
+from sympow.data import AUSTEN_PATH, EOT, LongCrawl64
 
 DATA_AXIS = "data"
 
@@ -44,7 +44,8 @@ def open_loader(data, split: str, docs_per_batch: int, context_size: int, *,
     try:
         return LongCrawl64(data.path, split, docs_per_batch, context_size,
                            prefetch=int(data.get("prefetch", 2)),
-                           backend=data.get("backend", "auto"), vocab_size=vocab_size, **kwargs)
+                           backend=data.get("backend", "auto"), vocab_size=vocab_size,
+                           eot=int(data.get("eot", EOT)), **kwargs)
     except ValueError as error:
         hint = ""
         if "documents in" in str(error) and str(data.path) == str(AUSTEN_PATH):

@@ -105,3 +105,16 @@ def test_sweep_variants_accept_aliases():
                                                                 ("softmax", 512)]
     with pytest.raises(ValueError, match="sweep arg: variant 'mamba'"):
         module.get_sweep("variants=softmax+mamba")
+
+
+def test_quickstart_bytes_reads_the_byte_corpus():
+    """The demo's corpus: the byte-level store, vocabulary 257 with end-of-text 256."""
+    from sympow.data import AUSTEN_BYTES_PATH
+
+    config = configlib.load_config(f"{QUICKSTART}:softmax,bytes")
+    assert config.data.path == str(AUSTEN_BYTES_PATH)
+    assert (config.model.vocab_size, config.data.eot) == (257, 256)
+    assert config.num_train_steps == 800
+    assert configlib.load_config(QUICKSTART).data.eot == 50256
+    with pytest.raises(ValueError, match=r"data.eot: 300 must be below model.vocab_size 257"):
+        configlib.load_config(f"{QUICKSTART}:bytes", ["data.eot=300"])

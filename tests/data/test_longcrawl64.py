@@ -258,3 +258,28 @@ def test_smaller_store_columns(tmp_path):
     ds = make(tmp_path, dpb=2, ctx=1024)
     assert len(ds) == 2 * 4
     np.testing.assert_array_equal(ds[5][1], pattern(range(2, 4), range(2048, 3072)))
+
+
+def test_eot_begins_the_inputs_and_bounds_the_vocabulary(store):
+    """A store of another vocabulary names its end-of-text id (the byte corpus: 256)."""
+    inputs, labels = make(store, dpb=2, ctx=4096, eot=256)[0]
+    assert (inputs[:, 0] == 256).all() and (inputs[:, 1:] == labels[:, :-1]).all()
+    assert (make(store, dpb=2, ctx=4096)[0][0][:, 0] == EOT).all()  # GPT-2's by default
+    with pytest.raises(ValueError, match=r"vocab_size: 256 <= 256, the end-of-text token"):
+        make(store, eot=256, vocab_size=256)
+    for bad in (-1, 65536, 2.0, True):
+        with pytest.raises(ValueError, match=r"eot: need an int id in \[0, 65536\)"):
+            make(store, eot=bad)
+
+
+def test_the_embedded_byte_corpus():
+    """data/austen_bytes: the same novels as UTF-8 bytes (ids < 256), end-of-text 256."""
+    from sympow.data import AUSTEN_BYTES_EOT, AUSTEN_BYTES_PATH, AUSTEN_BYTES_VOCAB
+
+    ds = LongCrawl64(AUSTEN_BYTES_PATH, "heldout", 1, 2048, eot=AUSTEN_BYTES_EOT,
+                     vocab_size=AUSTEN_BYTES_VOCAB, prefetch=0)
+    inputs, labels = ds[0]
+    assert labels.max() < 256 and inputs[0, 0] == AUSTEN_BYTES_EOT
+    text = bytes(labels[0].astype(np.uint8)).decode("utf-8", errors="replace")
+    assert "Sir Walter Elliot" in text  # Persuasion opens with him
+    assert LongCrawl64(AUSTEN_BYTES_PATH, "train", 1, 65536, prefetch=0).shape[0] > 40

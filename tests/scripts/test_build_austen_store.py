@@ -166,3 +166,18 @@ def test_command_on_a_deb(tmp_path):
                    capture_output=True)
     builder.main(["--deb", str(deb), "--out", str(tmp_path / "out")])
     _check_built_store(tmp_path / "out")
+
+
+def test_byte_level_store(tmp_path):
+    """--bytes: ids are the UTF-8 bytes of the text (vocabulary 256), documents of 65,536
+    bytes, the end-of-text id 256 recorded in the attributes."""
+    out = tmp_path / "out"
+    builder.main(["--root", str(_package(tmp_path / "pkg")), "--out", str(out), "--bytes"])
+    heldout = zarr.open_array(str(out / "heldout.zarr"), mode="r")
+    assert heldout.attrs["tokenizer"] == "bytes" and heldout.attrs["eot"] == builder.BYTE_EOT
+    docs = np.asarray(heldout[...])
+    assert docs.shape[1] == 65536 and docs.max() < 256
+    assert bytes(docs[0, :7].astype(np.uint8)) == b"a a a a"  # the synthetic novels' words
+    assert len(docs) == 2  # Persuasion: 2 x 65,539 - 1 bytes, the partial remainder dropped
+    with pytest.raises(ValueError, match=r"level: 'bpe' not in \('gpt2', 'bytes'\)"):
+        builder.build(tmp_path / "pkg", out, level="bpe")
