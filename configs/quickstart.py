@@ -23,14 +23,14 @@ loss 1.815 (softmax) and 1.811 (conformal) nats per byte (``final_loss``), about
 run; held-out (64 windows of 2,048 bytes) positions 1-2: 3.23 / 3.27, 64-256: 1.87 / 1.86,
 beyond the training context (257-2,048): softmax 2.96, conformal 1.85.
 
-Expected result on GPT-2 tokens (2-core CPU, jax 0.10.2, 2026-11-23; the automatic choice
-runs the attention form at this context, docs/design.md §5.1): the training loss falls from
-10.82 (~ln 50304) to about 6.2 (summary ``final_loss`` 6.243 for conformal, 6.216 for softmax: the mean of the
-last 20 steps), about 1 min 50 s per run. Contextwise held-out loss (Persuasion, 16 windows of
-2,048 tokens): positions 1-2 8.22 / 8.39 (conformal / softmax), 64-256 6.66 / 6.64, beyond the
-training context (257-2,048) 6.58 / 6.60: flat past ~64 positions (200 steps is too short to
-learn much use of long context; with 16 windows the curve is noisy below ~64 positions), the
-two variants within noise, and no rise beyond the training context 256.
+Expected result on GPT-2 tokens (2-core CPU, jax 0.10.2, 2026-11-23; the automatic choice runs
+the attention form at this context, docs/design.md §5.1): the training loss falls from 10.82
+(~ln 50304) to about 6.2 (summary ``final_loss`` 6.243 for conformal, 6.216 for softmax: the
+mean of the last 20 steps), about 1 min 50 s per run. Contextwise held-out loss (Persuasion, 16
+windows of 2,048 tokens): positions 1-2 8.22 / 8.39 (conformal / softmax), 64-256 6.66 / 6.64,
+beyond the training context (257-2,048) 6.58 / 6.60: flat past ~64 positions (200 steps is too
+short to learn much use of long context; with 16 windows the curve is noisy below ~64
+positions), the two variants within noise, and no rise beyond the training context 256.
 """
 
 from configs import base
