@@ -69,13 +69,13 @@ def corpus_windows(t: int):
     inputs shifted right with EOT first (the loader's rule)."""
     import numpy as np
 
-    from sympow.data import AUSTEN_PATH, LongCrawl64
+    from sympow.data import AUSTEN_PATH, EOT, LongCrawl64
 
     store = LongCrawl64(AUSTEN_PATH, "train", docs_per_batch=1, context_size=65536,
                         prefetch=0, process_index=0, process_count=1)
     labels = np.concatenate([store[k][1] for k in range(len(store))])  # [docs, 65536]
     labels = labels.reshape(-1, t)
-    inputs = np.concatenate([np.full((len(labels), 1), 50256, np.int32), labels[:, :-1]], 1)
+    inputs = np.concatenate([np.full((len(labels), 1), EOT, np.int32), labels[:, :-1]], 1)
     return inputs, labels
 
 
