@@ -45,10 +45,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from sympow.attention.chunked import (
+    block_gate_sums,
     capped_block,
     from_chunks,
     normalize_queries_and_keys,
-    suffix_sums,
     to_chunks,
 )
 from sympow.attention.reference import (
@@ -92,8 +92,7 @@ def to_blocks(q, k, v, log_g, block: int) -> Blocks:
     ct = compute_dtype(q, k, v)
     qb = to_chunks(q.astype(ct), n, block).reshape(b, hk, hq // hk, n, block, d)
     a = to_chunks(log_g.astype(ct), n, block)  # [B, Hk, N, K]
-    head = jnp.cumsum(a, axis=-1)
-    tail = suffix_sums(a)
+    head, tail = block_gate_sums(a)
     seg = segment_sums_last(a)  # [B, Hk, N, K, K]
     return Blocks(qb, to_chunks(k.astype(ct), n, block), to_chunks(v.astype(ct), n, block),
                   head, tail, seg, head[..., -1])

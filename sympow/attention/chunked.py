@@ -83,6 +83,12 @@ def combine(
     return safe_divide(num, den * w_intra + inter_den * w_inter)
 
 
+def block_gate_sums(a: Float[Array, "... K"]) -> tuple[Array, Array]:
+    """(head, tail) along the last axis (a block of log gates): head_i = sum_{k<=i} a_k,
+    tail_j = sum_{k>j} a_k, the two local sums of a decay across blocks (design §4)."""
+    return jnp.cumsum(a, axis=-1), suffix_sums(a)
+
+
 def suffix_sums(a: Float[Array, "... C"]) -> Float[Array, "... C"]:
     """sum_{k > j} a_k along the last axis: an exclusive cumulative sum from the end.
 
@@ -121,14 +127,22 @@ def normalize_queries_and_keys(q: Array, k: Array) -> tuple[Array, Array, Float[
     with key_scale = s [B, Hk] (1 where every key is zero), to restore true states.
     """
     ct = compute_dtype(q, k)
-    q_norm = jnp.linalg.norm(q.astype(ct), axis=-1, keepdims=True)
-    k_scale = jnp.max(jnp.linalg.norm(k.astype(ct), axis=-1), axis=1)  # [B, Hk]
-    power_of_two = lambda x: jax.lax.stop_gradient(  # noqa: E731
-        jnp.where(x > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(x > 0, x, 1.0)))), 1.0))
-    q_norm, k_scale = power_of_two(q_norm), power_of_two(k_scale)
+    q_norm = _power_of_two(jnp.linalg.norm(q.astype(ct), axis=-1, keepdims=True))
     q_unit = (q.astype(ct) / q_norm).astype(q.dtype)
-    k_unit = (k.astype(ct) / k_scale[:, None, :, None]).astype(k.dtype)
-    return q_unit, k_unit, k_scale
+    return (q_unit, *normalize_keys(k))
+
+
+def _power_of_two(x):
+    """The smallest power of two >= x (1 where x is 0), as a constant for autodiff."""
+    return jax.lax.stop_gradient(
+        jnp.where(x > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(x > 0, x, 1.0)))), 1.0))
+
+
+def normalize_keys(k: Array) -> tuple[Array, Float[Array, "B Hk"]]:
+    """The key half of `normalize_queries_and_keys`: (K / s, s) per (batch, head)."""
+    ct = compute_dtype(k)
+    k_scale = _power_of_two(jnp.max(jnp.linalg.norm(k.astype(ct), axis=-1), axis=1))
+    return (k.astype(ct) / k_scale[:, None, :, None]).astype(k.dtype), k_scale
 
 
 def chunked_attention(

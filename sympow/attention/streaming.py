@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from sympow.attention.chunked import normalize_queries_and_keys, suffix_sums
+from sympow.attention.chunked import normalize_keys, suffix_sums
 from sympow.attention.reference import Keys, LogGates, SympowState, Values
 from sympow.embedding import embedding_tables
 from sympow.numerics import HIGHEST, compute_dtype
@@ -71,7 +71,7 @@ def streamed_state(k: Keys, v: Values, log_g: LogGates | None, *, p: int,
     """
     b, t, hk, d = k.shape
     ct = compute_dtype(k, v)
-    _, k_unit, key_scale = normalize_queries_and_keys(k, k)  # key_scale [B, Hk]
+    k_unit, key_scale = normalize_keys(k)  # key_scale [B, Hk]
     decay = (jnp.ones((b, hk, t), ct) if log_g is None
              else suffix_decays(log_g.astype(ct)))  # [B, Hk, T]
     keys = jnp.moveaxis(k_unit.astype(ct), 1, 2)  # [B, Hk, T, D]

@@ -37,17 +37,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sympow.attention.chunked import suffix_sums
+from sympow.attention import chunked
 from sympow.attention.pallas.launch import dot, idiv, irem, launch, split_heads
 from sympow.attention.pallas.plan import Plan
 
 
 def block_gate_sums(a, plan: Plan):
-    """(head, tail) [B, Hk, N, C] of log gates a: the inclusive cumulative sum and the suffix
-    sum within each block of attn_bq rows."""
+    """(head, tail) [B, Hk, N, C] of log gates a: `chunked.block_gate_sums` within each
+    block of attn_bq rows."""
     blocks = a.reshape(*a.shape[:-1], -1, plan.attn_bq)
-    return (jnp.cumsum(blocks, axis=-1).reshape(a.shape),
-            suffix_sums(blocks).reshape(a.shape))
+    return tuple(x.reshape(a.shape) for x in chunked.block_gate_sums(blocks))
 
 
 def _diagonal_decay(a, plan: Plan):
