@@ -12,6 +12,7 @@ error. Adversarial inputs (zero queries/keys, norms 1e3, log_g = 0 and -1e4, T=1
 outputs and gradients that match the oracle.
 """
 
+import functools
 import json
 import sys
 import time
@@ -61,6 +62,25 @@ PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 
              ("ordinary", 65536)]
 
 
+def check_case(testing, impl, case, dtype: str, kind: str, rng):
+    """Rows (output, err, note, ok) of one case of the shared checks (fp32 or bf16)."""
+    gold = "reference" if case.t <= 2048 else ("xla", "attention")
+    args = testing.inputs(case, rng, kind=kind)
+    # T=1 and adversarial inputs: some gradients are 0 up to rounding (y = v).
+    floor = 1e-2 if kind == "random" and case.t > 1 else 1.0
+    if dtype == "bfloat16":
+        return [(n, e_t, f"ref {e_r:.2e} bound {b:.2e}", ok) for n, e_t, e_r, b, ok
+                in testing.check_bf16(case, args, impl, gold_impl=gold, floor=floor)]
+    return [(n, e, f"tol {tol:.0e}", ok) for n, e, tol, ok
+            in testing.check_fp32(case, args, impl, gold_impl=gold, floor=floor)]
+
+
+def check_precision(testing, impl, history: str, t: int):
+    """Rows (output, err, note, ok) of fp32 against float64 on one gate history."""
+    return [(n, e, f"bound {b:.1e}", ok) for n, e, b, ok in testing.check_precision(
+        history, impl, chunk=128 if impl[1] == "chunked" else None, t=t)]
+
+
 def main(argv):
     del argv
     import jax
@@ -89,49 +109,30 @@ def main(argv):
     if _ONLY.value != "random":
         jobs += [(impl, testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
                  for impl in rows for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
+    # Each check: (impl, case name, dtype, kind, run() -> rows (output, err, note, ok)).
+    checks = [(impl, case.name, dtype, kind,
+               functools.partial(check_case, testing, impl, case, dtype, kind, rng))
+              for impl, case, dtype, kind in jobs if case.t <= _MAX_T.value]
     if _ONLY.value == "precision":
-        jobs = [(impl, (kind, t), "float32", "precision") for impl in rows
-                for kind, t in PRECISION]
+        checks = [(impl, f"{history}_t{t}", "float32", "precision",
+                   functools.partial(check_precision, testing, impl, history, t))
+                  for impl in rows for history, t in PRECISION]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for impl, case, dtype, kind in jobs:
+        for impl, name, dtype, kind, run in checks:
             start = time.time()
-            if kind == "precision":
-                history, t = case
-                got = [(n, e, f"bound {b:.1e}", ok) for n, e, b, ok in testing.check_precision(
-                    history, impl, chunk=128 if impl[1] == "chunked" else None, t=t)]
-                failures += sum(not ok for *_, ok in got)
-                for name, err, note, ok in got:
-                    results.append(dict(impl="/".join(impl), case=f"{history}_t{t}",
-                                        dtype=dtype, kind=kind, output=name, err=err,
-                                        note=note, ok=ok,
-                                        seconds=round(time.time() - start, 1)))
-                    print(f"{'/'.join(impl):16s} {history:20s} T={t:<6d} {name:6s} "
-                          f"{err:9.2e} {note:14s} {'ok' if ok else 'FAIL'}", flush=True)
-                continue
-            if case.t > _MAX_T.value:
-                continue
-            gold = "reference" if case.t <= 2048 else ("xla", "attention")
             try:
-                args = testing.inputs(case, rng, kind=kind)
-                # T=1 and adversarial inputs: some gradients are 0 up to rounding (y = v).
-                floor = 1e-2 if kind == "random" and case.t > 1 else 1.0
-                if dtype == "bfloat16":
-                    got = [(n, e_t, f"ref {e_r:.2e} bound {b:.2e}", ok) for n, e_t, e_r, b, ok
-                           in testing.check_bf16(case, args, impl, gold_impl=gold, floor=floor)]
-                else:
-                    got = [(n, e, f"tol {tol:.0e}", ok) for n, e, tol, ok
-                           in testing.check_fp32(case, args, impl, gold_impl=gold, floor=floor)]
+                got = run()
             except Exception:  # noqa: BLE001  (report every case, then fail)
                 traceback.print_exc()
                 got = [("error", float("nan"), "exception", False)]
-            for name, err, note, ok in got:
+            for output, err, note, ok in got:
                 failures += not ok
                 label = "/".join(impl)  # backend/algorithm
-                results.append(dict(impl=label, case=case.name, dtype=dtype, kind=kind,
-                                    output=name, err=err, note=note, ok=ok,
+                results.append(dict(impl=label, case=name, dtype=dtype, kind=kind,
+                                    output=output, err=err, note=note, ok=ok,
                                     seconds=round(time.time() - start, 1)))
-                print(f"{label:16s} {case.name:42s} {dtype:8s} {kind:12s} {name:6s} {err:9.2e} "
+                print(f"{label:16s} {name:42s} {dtype:8s} {kind:12s} {output:6s} {err:9.2e} "
                       f"{note:28s} {'ok' if ok else 'FAIL'}", flush=True)
     triton_warnings = [str(w.message) for w in caught if "Triton" in str(w.message)]
     print(f"Triton warnings that escaped the filter: {len(triton_warnings)}")
