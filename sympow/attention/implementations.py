@@ -56,6 +56,7 @@ ATTENTION_COST = 7.18e-14  # s per causal (query, key) pair and unit of d + e
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.
+# Reasoned from that, not measured: streaming.py has not been timed on a GPU yet.
 STREAM_COST = STATE_COST / 2
 
 
