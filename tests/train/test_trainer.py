@@ -193,7 +193,7 @@ def test_a_full_disk_during_a_save_fails_naming_the_folder_and_resumes_exactly(r
                 time.sleep(0.01)
             full.enter_context(file_size_limit(1_000_000))
         if step >= 6:
-            time.sleep(0.5)  # ample time for the save of step 6 to fail
+            time.sleep(2.0)  # ample time for the save of step 6 to fail (0.5 s was not, under load)
         return False
 
     with full, pytest.raises(CheckpointWriteError, match=rf"checkpoint: saving step 6 to "
