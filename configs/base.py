@@ -10,6 +10,10 @@ Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.
   model.*           ``sympow.layers.GPTConfig`` fields (dtype names as strings): the preset's
                     attention, gating and rotary, and a ``sympow.layers.SIZES`` entry's
                     n_layer, n_head, n_kv_head, d_model
+  model.gate_bias   initial value of the gate's bias b_gamma (gated variants; default 5.0:
+                    gamma ~ 0.9933 at init); None = no bias, the papers' gate
+                    gamma = sigmoid(W_gamma x): ``--config.model.gate_bias=None`` (the field
+                    takes any literal, so also ``=0.0`` or ``=-1``; ``validate`` checks it)
   data.path         a LongCrawl64-layout store; default the embedded Austen corpus
                     (``sympow.data.AUSTEN_PATH``); for the real data set
                     ``--config.data.path=/path/to/longcrawl64`` (the folder holding train.zarr
@@ -30,8 +34,12 @@ Fields of a config (``ml_collections.ConfigDict``; override any with ``--config.
 Paper setting (docs/references.md: [sympow] §2; [conformal] §4): a GPT-2 small (124M) shaped
 model (size 'small') with rotary embeddings and a layernorm after the input embedding,
 LongCrawl64, 524,288 tokens per batch, bf16 mixed precision (params fp32), Adam with learning
-rate 6e-4 and no schedule. Gradient clipping (global norm 1.0) and Adam's betas (0.9, 0.999)
-are not stated by the papers; they are our choices.
+rate 6e-4 and no schedule, no gradient clipping, and a gate without bias. Two of our
+defaults deviate from that, each a field: the gate bias starting at +5 (``model.gate_bias``;
+None: the papers' form) and gradient clipping at global norm 1.0 (``optim.grad_clip``; 0:
+the papers' form, no clipping); both in the papers' form:
+``--config.model.gate_bias=None --config.optim.grad_clip=0``. Adam's betas (0.9, 0.999) are
+not stated by the papers; they are our choice.
 
 The config arg (after ``:`` in ``--config configs/x.py:ARG``) is a comma-separated list of
 ``key=value`` items and bare words: a variant name, ``runlocal`` (a tiny smoke version, size
@@ -129,13 +137,16 @@ def size_fields(size: str) -> dict[str, int]:
 
 def model_config(variant: str, p: int, size: str) -> ml_collections.ConfigDict:
     """``config.model``: ``GPTConfig.preset(variant, size, p=p)`` as GPTConfig fields, with bf16
-    compute over fp32 parameters and chunk_size / impl / algorithm left to
-    ``sympow.sympow_attention``."""
+    compute over fp32 parameters, the gate bias explicit (``GPTConfig.gate_bias``, 5.0) and
+    chunk_size / impl / algorithm left to ``sympow.sympow_attention``."""
     return ml_collections.ConfigDict({
         "vocab_size": GPTConfig.vocab_size,  # 50304: GPT-2's 50,257 tokens padded to 64
         **size_fields(size),
         **PRESETS[variant_name(variant)],
         "p": p,
+        # Any literal, so that --config.model.gate_bias=None (the papers' bias-free gate)
+        # parses: a float field's flag rejects None. validate() checks the value.
+        "gate_bias": config_dict.FieldReference(GPTConfig.gate_bias, field_type=object),
         "chunk_size": config_dict.placeholder(int),
         "impl": config_dict.placeholder(str),
         "algorithm": config_dict.placeholder(str),

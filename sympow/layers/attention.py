@@ -7,9 +7,12 @@ have biases), q, k and v projected separately (the parameter count equals GPT-2'
 c_attn when n_kv_head == n_head).
 
 Gating ([conformal] §3.1): gamma_i = sigmoid(W_gamma x_i + b_gamma), one scalar per
-key/value head, passed to the kernels as log_g = log_sigmoid(.) <= 0. The bias starts at
-+5 (gamma ~ 0.9933, a memory of ~150 tokens) so a fresh model starts close to ungated
-sympow and learns to forget; W_gamma starts like the other projections (normal, std 0.02).
+key/value head, passed to the kernels as log_g = log_sigmoid(.) <= 0. The papers' gate has
+no bias (gamma_i = sigmoid(W_gamma x_i)); b_gamma is our addition and configurable
+(``gate_bias``: its initial value; None = no bias, the papers' form). Without it a fresh
+gate is gamma ~ 0.5, a memory of ~2 tokens, hence the library's default of +5 (gamma ~
+0.9933, a memory of ~150 tokens): a fresh model starts close to ungated sympow and learns
+to forget. W_gamma starts like the other projections (normal, std 0.02).
 
 Rotary ([conformal] §A.1.2 and §3.2): 'fixed' uses mu_i = i; 'learned' uses
 mu_i = mu_{i-1} + beta_i, beta_i = 1 + tanh(W_beta x_i), one scalar per key/value head,
@@ -26,6 +29,7 @@ Every layer has three entry points: `__call__(x)` (training / full forward), `pr
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -45,10 +49,22 @@ from sympow.numerics import compute_dtype
 from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
-           "KVCache", "GATE_BIAS_INIT"]
+           "KVCache", "GATE_BIAS_INIT", "check_gate_bias"]
 
 ROTARY_KINDS = ("none", "fixed", "learned")
-GATE_BIAS_INIT = 5.0
+GATE_BIAS_INIT = 5.0  # initial b_gamma; None (no bias) is the papers' gate
+
+
+def check_gate_bias(gate_bias) -> float | None:
+    """``gate_bias`` as a float, or None; ValueError unless None or a finite real number."""
+    if gate_bias is None:
+        return None
+    if (not isinstance(gate_bias, numbers.Real) or isinstance(gate_bias, bool)
+            or not math.isfinite(gate_bias)):
+        raise ValueError("gate_bias must be None (no bias: the papers' gate "
+                         "sigmoid(W_gamma x)) or a finite real number, got "
+                         f"gate_bias={gate_bias!r}")
+    return float(gate_bias)
 
 
 class SympowCache(NamedTuple):
@@ -154,6 +170,8 @@ class _Attention(nnx.Module):
     Args:
       d_model: model width C. n_head: query heads Hq. n_kv_head: key/value heads Hk (None:
         n_head); Hq must be a multiple of Hk and C divisible by Hq.
+      gating: data-dependent gate gamma (W_gamma: ``gate_proj``). gate_bias: initial value
+        of its bias b_gamma; None = no bias (the papers' gamma = sigmoid(W_gamma x)).
       rotary: 'none' | 'fixed' | 'learned'; rotary_base: N of theta_j = 2 pi / N^(2j/D).
       dtype: compute dtype; param_dtype: parameter dtype.
       init_std: std of the projections; out_init_std: std of the output projection (GPT-2
@@ -161,13 +179,15 @@ class _Attention(nnx.Module):
     """
 
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *,
-                 gating: bool = False, rotary: str = "none", rotary_base: float = 65536.0,
+                 gating: bool = False, gate_bias: float | None = GATE_BIAS_INIT,
+                 rotary: str = "none", rotary_base: float = 65536.0,
                  dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                  out_init_std: float | None = None, rngs: nnx.Rngs):
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         head_dim = _check_layout(d_model, n_head, n_kv_head, rotary)
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.gating, self.dtype = bool(gating), jnp.dtype(dtype)
+        gate_bias = check_gate_bias(gate_bias)
         out_std = init_std if out_init_std is None else out_init_std
 
         def linear(n_in, n_out, std):
@@ -179,10 +199,12 @@ class _Attention(nnx.Module):
         self.v_proj = linear(d_model, n_kv_head * head_dim, init_std)
         self.out_proj = linear(n_head * head_dim, d_model, out_std)
         if self.gating:
+            bias = {} if gate_bias is None else dict(
+                bias_init=nnx.initializers.constant(gate_bias))
             self.gate_proj = nnx.Linear(
-                d_model, n_kv_head, kernel_init=_normal(init_std),
-                bias_init=nnx.initializers.constant(GATE_BIAS_INIT),
-                dtype=compute_dtype(dtype), param_dtype=param_dtype, rngs=rngs)
+                d_model, n_kv_head, use_bias=gate_bias is not None,
+                kernel_init=_normal(init_std), dtype=compute_dtype(dtype),
+                param_dtype=param_dtype, rngs=rngs, **bias)
         self.rotary = Rotary(d_model, n_kv_head, head_dim, rotary, base=rotary_base,
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -203,9 +225,9 @@ class _Attention(nnx.Module):
 class SympowAttention(_Attention):
     """Causal symmetric power attention ([conformal]): sympow, +gating, conformal-sympow.
 
-    Extra args over the shared ones (see `_Attention`): p (even power), chunk_size, impl and
-    algorithm (passed to `sympow.sympow_attention` and `sympow.prefill`; None = choose),
-    gating (data-dependent gate).
+    Extra args over the shared ones (see `_Attention`: gating, gate_bias, rotary, ...): p
+    (even power), chunk_size, impl and algorithm (passed to `sympow.sympow_attention` and
+    `sympow.prefill`; None = choose).
     conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
     q or k cancels in the normalized attention.
     """

@@ -22,7 +22,12 @@ from jaxtyping import Array, Float, Int
 
 from sympow import embedding
 from sympow.layers import decode
-from sympow.layers.attention import SoftmaxAttention, SympowAttention
+from sympow.layers.attention import (
+    GATE_BIAS_INIT,
+    SoftmaxAttention,
+    SympowAttention,
+    check_gate_bias,
+)
 from sympow.numerics import compute_dtype
 
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report",
@@ -67,6 +72,9 @@ class GPTConfig:
     vocab_size: token vocabulary V. n_layer, n_head, d_model: GPT-2 sizes.
     n_kv_head: key/value heads (grouped queries); None = n_head.
     attention: 'softmax' | 'sympow'. p: even power (sympow). gating: data-dependent gate.
+    gate_bias: initial value of the gate's bias b_gamma (default +5: gamma ~ 0.9933 at init,
+      close to ungated); None = no bias, the papers' form gamma = sigmoid(W_gamma x), which
+      starts at gamma ~ 0.5. Unused without gating.
     rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
     chunk_size, impl, algorithm: passed to `sympow.sympow_attention` (None = choose).
     dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
@@ -83,6 +91,7 @@ class GPTConfig:
     attention: str = "sympow"
     p: int = 2
     gating: bool = False
+    gate_bias: float | None = GATE_BIAS_INIT
     rotary: str = "fixed"
     rotary_base: float = 65536.0
     chunk_size: int | None = None
@@ -103,6 +112,7 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        object.__setattr__(self, "gate_bias", check_gate_bias(self.gate_bias))
 
     @classmethod
     def preset(cls, variant: str, size: str = "small", **overrides) -> GPTConfig:
@@ -131,7 +141,7 @@ def _attention(config: GPTConfig, rngs: nnx.Rngs):
         return SoftmaxAttention(config.d_model, config.n_head, config.n_kv_head, **common)
     return SympowAttention(config.d_model, config.n_head, config.n_kv_head, p=config.p,
                            chunk_size=config.chunk_size, impl=config.impl,
-                           algorithm=config.algorithm, **common)
+                           algorithm=config.algorithm, gate_bias=config.gate_bias, **common)
 
 
 def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -253,8 +263,9 @@ def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None
 class ModelReport:
     """Parameter counts by group and the decoding state size of one sequence.
 
-    groups: embedding (tied, so also the head), attention (q/k/v/out), gating (W_gamma,
-    b_gamma), rotary (W_beta), mlp, norm. state_bytes: `state_bytes(config)`.
+    groups: embedding (tied, so also the head), attention (q/k/v/out), gating (W_gamma, and
+    b_gamma unless gate_bias is None), rotary (W_beta), mlp, norm. state_bytes:
+    `state_bytes(config)`.
     """
 
     params: int

@@ -87,6 +87,9 @@ _RULES = {
                        and (x == 0 or 1 < x < math.inf), "0 (check off) or a number > 1"),
     "model.p": (lambda x: _is_int(x) and x > 0 and x % 2 == 0, "a positive even int"),
     "model.chunk_size": (lambda x: x is None or _is_int(x) and x > 0, "a positive int or None"),
+    "model.gate_bias": (lambda x: x is None or isinstance(x, (int, float))
+                        and not isinstance(x, bool) and math.isfinite(x),
+                        "a finite number or None (no gate bias: the papers' gate)"),
     "data.context_size": _POSITIVE_INT,
     "data.docs_per_batch": _POSITIVE_INT,
     "data.prefetch": _NONNEGATIVE_INT,

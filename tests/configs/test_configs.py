@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
 
 from configs import base
 from sympow.layers import GPTConfig
 from sympow.train import config as configlib
 from sympow.train import data as datalib
-from sympow.train.model import gpt_config
+from sympow.train.model import gpt_config, model_def
 from tests.train.helpers import CONFIGS, QUICKSTART
 
 ROOT = CONFIGS.parent
@@ -84,6 +87,42 @@ def test_config_model_is_the_named_preset(word, preset):
     assert set(config.model.keys()) <= {f.name for f in dataclasses.fields(GPTConfig)}
     assert _shape(config.model) == (12, 12, 12, 768)  # GPT-2 small
     assert (config.model.dtype, config.model.param_dtype) == ("bfloat16", "float32")
+
+
+def test_gate_bias_field_and_the_papers_form(tmp_path):
+    """config.model.gate_bias is explicit (5.0); None (the papers' bias-free gate) builds a
+    model without b_gamma, also from absl's ``--config.model.gate_bias=None`` (the field
+    takes any literal) and through the workdir copy; a wrong type fails ``validate``."""
+    assert configlib.load_config(f"{QUICKSTART}:gating").model.gate_bias == 5.0
+    config = configlib.load_config(f"{QUICKSTART}:gating,runlocal",
+                                   ["model.gate_bias=None", "optim.grad_clip=0"])
+    assert config.model.gate_bias is None and config.optim.grad_clip == 0.0
+    assert gpt_config(config.model).gate_bias is None
+    params = model_def(config.model).abstract_params
+    names = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(params)]
+    gate = [n for n in names if "gate_proj" in n]
+    assert gate and all(n.endswith("kernel") for n in gate)
+    back = configlib.load_workdir_config(configlib.save_config(config, tmp_path).parent)
+    configlib.validate(back)
+    assert back.model.gate_bias is None
+
+    def parse(*overrides):  # as experiments/train.py parses its command line
+        argv = ["train.py", f"--config={QUICKSTART}:gating,runlocal", *overrides]
+        values = flags.FlagValues()
+        flag = config_flags.DEFINE_config_file("config", None, "config", flag_values=values,
+                                               lock_config=True, sys_argv=argv)
+        values(argv)
+        return flag.value
+
+    for override, want in (("--config.model.gate_bias=None", None),
+                           ("--config.model.gate_bias=0.0", 0.0),
+                           ("--config.model.gate_bias=-1", -1), ("--config.seed=0", 5.0)):
+        config = parse(override)
+        assert config.model.gate_bias == want, override
+        configlib.validate(config)
+        assert gpt_config(config.model).gate_bias == want
+    with pytest.raises(ValueError, match="model.gate_bias: need a finite number or None"):
+        configlib.validate(parse("--config.model.gate_bias=x"))
 
 
 def test_sizes_of_the_quickstart_and_runlocal():

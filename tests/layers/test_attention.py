@@ -1,11 +1,12 @@
-"""sympow.layers.attention: the layers standalone (shapes, gate init, rotary, softmax
-implementation choice)."""
+"""sympow.layers.attention: the layers standalone (shapes, gate init and gate bias, rotary,
+softmax implementation choice)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from sympow.layers import Rotary, SoftmaxAttention, SympowAttention
@@ -58,3 +59,32 @@ def test_fresh_learned_rotary_scores_equal_fixed_rotary():
 
     for rotated, original in ((q_f, q), (k_f, k), (q_l, q), (k_l, k)):
         np.testing.assert_allclose(pair_norms(rotated), pair_norms(original), rtol=1e-5)
+
+
+def _gate_params(layer) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, path)): np.asarray(value[...])
+            for path, value in nnx.to_flat_state(nnx.state(layer.gate_proj, nnx.Param))}
+
+
+def test_gate_bias_is_configurable():
+    """gate_bias is b_gamma's initial value (default +5); None drops the bias: the papers'
+    gamma = sigmoid(W_gamma x), which starts near 0.5."""
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 32)), jnp.float32)
+    default = _gate_params(SympowAttention(32, 4, 2, gating=True, rngs=nnx.Rngs(0)))
+    assert set(default) == {"kernel", "bias"}
+    np.testing.assert_array_equal(default["bias"], np.full(2, 5.0, np.float32))
+    low = _gate_params(SympowAttention(32, 4, 2, gating=True, gate_bias=-1.0, rngs=nnx.Rngs(0)))
+    np.testing.assert_array_equal(low["bias"], np.full(2, -1.0, np.float32))
+    layer = SympowAttention(32, 4, 2, gating=True, gate_bias=None, rngs=nnx.Rngs(0))
+    params = _gate_params(layer)
+    assert set(params) == {"kernel"} and layer.gate_proj.bias is None
+    _, _, _, log_g, _ = layer.project(x)
+    expected = 1 / (1 + np.exp(-np.einsum("btc,ch->bth", np.asarray(x), params["kernel"])))
+    np.testing.assert_allclose(np.exp(np.asarray(log_g)), expected, rtol=1e-5, atol=1e-6)
+    assert abs(float(np.exp(log_g).mean()) - 0.5) < 0.1  # W_gamma x is small at init
+
+
+def test_invalid_gate_bias_raises():
+    for value in ("5", True, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"gate_bias must be None .* got gate_bias="):
+            SympowAttention(32, 4, gating=True, gate_bias=value, rngs=nnx.Rngs(0))

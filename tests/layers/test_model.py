@@ -63,12 +63,13 @@ def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_train_step_gradients_learning_and_single_compile(variant):
+@pytest.mark.parametrize("variant, overrides", [(v, {}) for v in VARIANTS] + [
+    ("sympow_gating", dict(gate_bias=None))])
+def test_train_step_gradients_learning_and_single_compile(variant, overrides):
     """Gradients reach every parameter (W_gamma, W_beta, all projections) on a randomized
     model; 40 adam steps on a period-5 pattern bring the loss far below ln(V); the jitted
-    step traces once."""
-    model = randomized(tiny(variant))
+    step traces once. Also for the papers' bias-free gate (gate_bias=None)."""
+    model = randomized(tiny(variant, **overrides))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = optax.adam(1e-2)
     opt_state = optimizer.init(params)
@@ -128,6 +129,42 @@ def test_train_step_gradients_learning_and_single_compile(variant):
 def test_invalid_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         GPT(tiny("conformal", **overrides), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("value", ["5.0", True, math.inf, math.nan])
+def test_invalid_gate_bias_raises(value):
+    with pytest.raises(ValueError, match=r"gate_bias must be None") as error:
+        GPTConfig(gate_bias=value)
+    assert f"gate_bias={value!r}" in str(error.value)
+
+
+def _gate_biases(model: GPT) -> list:
+    return [block.attn.gate_proj.bias for block in model.blocks]
+
+
+def test_gate_bias_setting():
+    """gate_bias: b_gamma's initial value in every layer (default +5); None = no bias
+    parameter and gamma = sigmoid(W_gamma x) at init, the papers' gate."""
+    assert GPTConfig().gate_bias == 5.0 and GPTConfig(gate_bias=-1).gate_bias == -1.0
+    for overrides, want in (({}, 5.0), (dict(gate_bias=-1.0), -1.0)):
+        biases = _gate_biases(GPT(tiny("sympow_gating", **overrides), rngs=nnx.Rngs(0)))
+        assert len(biases) == 2
+        for bias in biases:
+            np.testing.assert_array_equal(bias[...], np.full(2, want, np.float32))
+    model = GPT(tiny("conformal", gate_bias=None), rngs=nnx.Rngs(0))
+    assert _gate_biases(model) == [None, None]
+    names = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model))]
+    assert [n for n in names if "gate_proj" in n] == [f"blocks/{i}/attn/gate_proj/kernel"
+                                                      for i in range(2)]
+    attn = model.blocks[0].attn
+    x = model.blocks[0].ln1(model.embed(tokens(2)))  # the first layer's attention input
+    log_g = attn.project(x)[3]  # [B, T, Hk]
+    w = np.asarray(attn.gate_proj.kernel[...], np.float64)  # [C, Hk]
+    expected = 1 / (1 + np.exp(-np.einsum("btc,ch->bth", np.asarray(x, np.float64), w)))
+    np.testing.assert_allclose(np.exp(np.asarray(log_g)), expected, rtol=1e-5, atol=1e-6)
+    # Without b_gamma the gating group is W_gamma alone: C x Hk per layer.
+    small = model_report(GPTConfig.preset("sympow_gating", size="small", gate_bias=None))
+    assert small.groups["gating"] == 12 * 768 * 12
 
 
 def test_unknown_preset_and_odd_head_dim_without_rotary():
