@@ -121,11 +121,9 @@ def read_csv(path: str | os.PathLike) -> list[dict]:
 def plot_sweep(path: str | os.PathLike, rows: list[dict], *, title: str | None = None) -> Path:
     """Final training loss (and held-out loss, if evaluated) vs training context, log2 x, one
     line per variant."""
-    import matplotlib
+    from sympow.train.reports import context_axis, pyplot, save_figure  # reports imports us
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metrics = [("final_loss", "final training loss")]
     if any(math.isfinite(r["heldout_loss"]) for r in rows):
         metrics.append(("heldout_loss", "held-out loss at training context"))
@@ -135,16 +133,5 @@ def plot_sweep(path: str | os.PathLike, rows: list[dict], *, title: str | None =
         for variant in variants:
             pts = sorted((r["context"], r[key]) for r in rows if r["variant"] == variant)
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=variant)
-        ax.set_xscale("log", base=2)
-        contexts = sorted({r["context"] for r in rows})
-        ax.set_xticks(contexts, [str(c) for c in contexts], fontsize=8)
-        ax.set_xlabel("training context (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+        context_axis(ax, (r["context"] for r in rows), ylabel)
+    return save_figure(fig, path, title)
