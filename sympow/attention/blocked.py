@@ -27,11 +27,12 @@ each block pair's weights, as flash attention's backward does. With P_ij = w_ij 
 dP_ij = dY_i . V_j, delta_i = dY_i . Y_i and dl_ij = P_ij (dP_ij - delta_i):
 
     dV_j = sum_i P_ij dY_i,   dQ_i = sum_j dl_ij p / s_ij K_j,   dK_j = sum_i dl_ij p / s_ij Q_i,
-    dG_i += sum_j dl_ij,   dG_j -= sum_i dl_ij,   dlog_g_k = sum_{t >= k} dG_t,
+    dlog_g_k = sum_{i >= k > j} dl_ij,
 
-with s_ij = Q_i . K_j. The row max carries no gradient (it cancels), as in the reference.
-Queries and keys are first scaled by powers of two as in the chunked algorithm, so no score
-overflows whatever the input norms.
+with s_ij = Q_i . K_j; dlog_g through the local sums the decays were built from
+(`chunked.block_gate_cotangent`), so each pair enters once. The row max carries no gradient
+(it cancels), as in the reference. Queries and keys are first scaled by powers of two as in
+the chunked algorithm, so no score overflows whatever the input norms.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from sympow.attention.chunked import (
+    block_gate_cotangent,
     block_gate_sums,
     capped_block,
+    diagonal_straddle,
     from_chunks,
     normalize_queries_and_keys,
     to_chunks,
@@ -157,14 +160,17 @@ def _forward(blocks: Blocks, p: int):
 
 
 def _backward(blocks: Blocks, y, m, den, dy, p: int):
-    """Cotangents (dq, dk, dv in block layout, dG [B, Hk, N, K]) for dy [B, Hk, R, N, K, E]."""
+    """Cotangents (dq, dk, dv in block layout, dlog_g [B, Hk, N, K]) for dy
+    [B, Hk, R, N, K, E]."""
     n = blocks.head.shape[-2]
     delta = jnp.sum(dy * y, axis=-1)  # [B, Hk, R, N, K]
     inv_den = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
     back = lambda x, d: jnp.roll(x, -d, axis=2)  # noqa: E731  index n - d <- n
 
+    index = jnp.arange(n)
+
     def step(carry, d):
-        dq, dk, dv, dg, middle = carry
+        dq, dk, dv, (dhead, dtail, ddiag, pairs), middle = carry
         pr = pair(blocks, d, middle, p)
         prob = jnp.exp(pr.logits - m[..., None]) * inv_den[..., None]  # 0 where not valid
         dprob = jnp.einsum("bhrnie,bhnje->bhrnij", dy, pr.v, precision=HIGHEST)
@@ -174,13 +180,22 @@ def _backward(blocks: Blocks, y, m, den, dy, p: int):
         dk = dk + back(jnp.einsum("bhrnij,bhrnid->bhnjd", dscore, blocks.q,
                                   precision=HIGHEST), d)
         dv = dv + back(jnp.einsum("bhrnij,bhrnie->bhnje", prob, dy, precision=HIGHEST), d)
-        dg = dg + jnp.sum(dl, axis=(2, 5)) - back(jnp.sum(dl, axis=(2, 4)), d)
-        return (dq, dk, dv, dg, next_middle(blocks, d, middle)), None
+        dl = jnp.sum(dl, axis=2)  # [B, Hk, N, K, K]: the query heads of a kv head together
+        across = d > 0
+        dhead = dhead + jnp.where(across, jnp.sum(dl, axis=-1), 0.0)
+        dtail = dtail + jnp.where(across, back(jnp.sum(dl, axis=-2), d), 0.0)
+        ddiag = jnp.where(across, ddiag, diagonal_straddle(dl))
+        pair_here = across & (index[:, None] - index[None, :] == d)  # [I, J]: J = I - d
+        pairs = jnp.where(pair_here, jnp.sum(dl, axis=(-2, -1))[..., None], pairs)
+        gates = (dhead, dtail, ddiag, pairs)
+        return (dq, dk, dv, gates, next_middle(blocks, d, middle)), None
 
+    zeros = jnp.zeros_like(blocks.head)
+    gates = (zeros, zeros, zeros, jnp.zeros((*blocks.tot.shape, n), blocks.tot.dtype))
     init = (jnp.zeros_like(blocks.q), jnp.zeros_like(blocks.k), jnp.zeros_like(blocks.v),
-            jnp.zeros_like(blocks.head), jnp.zeros_like(blocks.tot))
-    (dq, dk, dv, dg, _), _ = jax.lax.scan(step, init, jnp.arange(n))
-    return dq, dk, dv, dg
+            gates, jnp.zeros_like(blocks.tot))
+    (dq, dk, dv, gates, _), _ = jax.lax.scan(step, init, index)
+    return dq, dk, dv, block_gate_cotangent(*gates)
 
 
 def _unblock(x: Array, length: int) -> Array:
@@ -207,9 +222,8 @@ def _attention_bwd(p, block, residuals, dy_out):
     blocks = to_blocks(q, k, v, log_g, block)
     b, hk, r, n, _, e = y.shape
     dy = to_chunks(dy_out.astype(y.dtype), n, block).reshape(b, hk, r, n, block, e)
-    dq, dk, dv, dg = _backward(blocks, y, m, den, dy, p)
-    dg = from_chunks(dg[..., None], t)[..., 0]  # [B, T, Hk]
-    dlog_g = jnp.flip(jnp.cumsum(jnp.flip(dg, axis=1), axis=1), axis=1)  # sum over t >= k
+    dq, dk, dv, dlog_g = _backward(blocks, y, m, den, dy, p)
+    dlog_g = from_chunks(dlog_g[..., None], t)[..., 0]  # [B, T, Hk]
     return (_unblock(dq, t).astype(q.dtype), from_chunks(dk, t).astype(k.dtype),
             from_chunks(dv, t).astype(v.dtype), dlog_g.astype(log_g.dtype))
 

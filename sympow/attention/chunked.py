@@ -89,6 +89,45 @@ def block_gate_sums(a: Float[Array, "... K"]) -> tuple[Array, Array]:
     return jnp.cumsum(a, axis=-1), suffix_sums(a)
 
 
+def diagonal_straddle(dl: Float[Array, "... K K"]) -> Float[Array, "... K"]:
+    """sum_{i >= k > j} dl_ij of a diagonal block's pair cotangents dl [.., i, j] (zero above
+    the diagonal): the pairs of the block whose decay holds a_k. Cumulative sums down the
+    rows only (the one direction the Pallas kernels use)."""
+    rows = jnp.arange(dl.shape[-1])
+    upto = jnp.cumsum(dl, axis=-2)  # [k, j]: sum_{i <= k} dl_ij
+    from_k = jnp.sum(dl, axis=-2, keepdims=True) - upto + dl  # [k, j]: sum_{i >= k} dl_ij
+    return jnp.sum(jnp.where(rows[None, :] < rows[:, None], from_k, 0.0), axis=-1)
+
+
+def block_gate_cotangent(
+    dhead: Float[Array, "... N K"],
+    dtail: Float[Array, "... N K"],
+    ddiag: Float[Array, "... N K"],
+    pair_totals: Float[Array, "... N N"],
+) -> Float[Array, "... N K"]:
+    """da_k = sum_{i >= k > j} dl_ij of logits whose decays are built from local sums: the
+    adjoint of `block_gate_sums` plus the totals between blocks, for blocks of K positions.
+
+    For i in block I and j in block J < I the decay is head_i + mid_IJ + tail_j (mid the
+    totals of the blocks strictly between); on the diagonal an in-block sum. Arguments:
+      dhead [.., N, K]: per query i, sum of dl_ij over the keys of earlier blocks;
+      dtail [.., N, K]: per key j, sum of dl_ij over the queries of later blocks;
+      ddiag [.., N, K]: per k, sum_{i >= k > j} dl_ij within its diagonal block;
+      pair_totals [.., N, N]: [I, J] the sum of dl over block pair (I, J), zero for J >= I.
+    Every pair (i, j) enters each da_k it moves exactly once. The form dG_i = sum_j dl_ij,
+    dG_j -= sum_i dl_ij, da = reverse cumsum of dG counts each pair twice, in two kernels
+    with their own rounding, and relies on the copies cancelling: on an H100 the attention
+    form's dlog_g erred 4e-5 at T = 65,536 that way (docs/design.md §4).
+    """
+    from_head = jnp.flip(jnp.cumsum(jnp.flip(dhead, -1), axis=-1), -1)  # head_i: k <= i
+    from_tail = jnp.cumsum(dtail, axis=-1) - dtail  # tail_j: k > j
+    before = jnp.cumsum(pair_totals, axis=-1) - pair_totals  # [I, M]: sum_{J < M}
+    n = pair_totals.shape[-1]
+    later = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]  # [I, M]: I > M
+    mid = jnp.sum(jnp.where(later, before, 0.0), axis=-2)  # [.., M]
+    return from_head + from_tail + mid[..., None] + ddiag
+
+
 def suffix_sums(a: Float[Array, "... C"]) -> Float[Array, "... C"]:
     """sum_{k > j} a_k along the last axis: an exclusive cumulative sum from the end.
 
