@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from sympow.attention import (
     SympowState,
@@ -83,12 +83,23 @@ class KVCache(NamedTuple):
     """Preallocated key/value cache of one softmax layer (keys stored after rotary).
 
     k: [B, L, Hk, D], v: [B, L, Hk, E] in the compute dtype, L = max_length; rows at and
-    after the model's position counter are unused. mu: as in SympowCache.
+    after the model's position counter are unused. mu: as in SympowCache. start: [B] int32,
+    each sequence's first row (its left padding before it, see `prefill`'s valid), or None
+    (every row from 0).
     """
 
     k: Array
     v: Array
     mu: Array | None
+    start: Array | None = None
+
+
+def _padding_rows(valid: Bool[Array, "B T"] | None, t: int) -> None:
+    """Checks a prefill's valid mask: [B, T] booleans, each row's valid tokens at its end
+    (left padding), at least one per row. Traced values cannot be checked: the shape only."""
+    if valid is not None and (valid.ndim != 2 or valid.shape[1] != t):
+        raise ValueError(f"valid must be bool [B, T] with T = {t} (the prompt), got shape "
+                         f"{valid.shape}")
 
 
 def _normal(std: float):
@@ -245,12 +256,22 @@ class SympowAttention(_Attention):
                              impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
         return self.merge_heads(y)
 
-    def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None,
+                valid: Bool[Array, "B T"] | None = None
                 ) -> tuple[Float[Array, "B T C"], SympowCache]:
         """Forward over a prompt and the recurrent cache after it (max_length unused); the
-        attention form's state is streamed (`sympow.prefill`)."""
+        attention form's state is streamed (`sympow.prefill`).
+
+        valid: False for left padding (a batch of prompts of several lengths, aligned at
+        their ends). Padding keys are zeroed: phi(0) = 0, so they enter no score and no
+        state; scores depend only on mu_i - mu_j, so the shift of the real tokens'
+        positions changes nothing.
+        """
         del max_length
+        _padding_rows(valid, x.shape[1])
         q, k, v, log_g, mu = self.project(x)
+        if valid is not None:
+            k = jnp.where(valid[:, :, None, None], k, jnp.zeros((), k.dtype))
         y, state = prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                            impl=self.impl, algorithm=self.algorithm)
         return self.merge_heads(y), SympowCache(state, mu)
@@ -298,20 +319,36 @@ class SoftmaxAttention(_Attention):
                                          implementation=self._implementation())  # [B,T,Hq,E]
         return self.merge_heads(y)
 
-    def prefill(self, x: Float[Array, "B T C"], *, max_length: int
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int,
+                valid: Bool[Array, "B T"] | None = None
                 ) -> tuple[Float[Array, "B T C"], KVCache]:
-        """Full forward over the prompt; keys/values written to a cache of max_length rows."""
+        """Full forward over the prompt; keys/values written to a cache of max_length rows.
+
+        valid: False for left padding (prompts aligned at their ends). Real queries see no
+        padding key; a padding query sees only itself (finite, and discarded), through an
+        explicit mask and the 'xla' implementation; the cache records each row's start.
+        """
         b, t, _ = x.shape
         if max_length < t:
             raise ValueError(f"max_length must be >= the prompt length {t}, got "
                              f"max_length={max_length}")
+        _padding_rows(valid, t)
         q, k, v, _, mu = self.project(x)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=self._implementation())
+        if valid is None:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=self._implementation())
+            start = None
+        else:
+            rows = jnp.arange(t)
+            causal = rows[:, None] >= rows[None, :]  # [T, T]
+            mask = causal & (valid[:, None, :] | (rows[:, None] == rows[None, :]))  # [B,T,T]
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                             implementation="xla")
+            start = (t - jnp.sum(valid, axis=1)).astype(jnp.int32)  # [B] padding rows
         cache = self.init_cache(b, max_length)
         k_cache = jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0))  # [B, L, Hk, D]
         v_cache = jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0))  # [B, L, Hk, E]
-        return self.merge_heads(y), KVCache(k_cache, v_cache, mu)
+        return self.merge_heads(y), KVCache(k_cache, v_cache, mu, start)
 
     def decode(self, x: Float[Array, "B 1 C"], cache: KVCache, position: Array
                ) -> tuple[Float[Array, "B 1 C"], KVCache]:
@@ -326,12 +363,16 @@ class SoftmaxAttention(_Attention):
         qg = q.reshape(b, hk, hq // hk, d).astype(ct)  # [B, Hk, R, D]
         scores = jnp.einsum("bhrd,blhd->bhrl", qg, k_cache.astype(ct),
                             precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
-        visible = jnp.arange(length) <= position  # [L]
+        rows = jnp.arange(length)
+        visible = rows <= position  # [L]
+        if cache.start is not None:  # [B, L]: not the left padding
+            visible = visible & (rows[None, :] >= cache.start[:, None])
+            visible = visible[:, None, None, :]  # [B, 1, 1, L]
         weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         y = jnp.einsum("bhrl,blhe->bhre", weights, v_cache.astype(ct),
                        precision=jax.lax.Precision.HIGHEST)  # [B, Hk, R, E]
         y = y.reshape(b, 1, hq, -1).astype(self.dtype)
-        return self.merge_heads(y), KVCache(k_cache, v_cache, mu)
+        return self.merge_heads(y), KVCache(k_cache, v_cache, mu, cache.start)
 
     def init_cache(self, batch: int, max_length: int) -> KVCache:
         shape = (batch, max_length, self.n_kv_head, self.head_dim)

@@ -7,6 +7,12 @@ pytree, `GPTCache`, so the same jit-compiled loop drives every variant.
     logits, cache = model.prefill(prompt)              # [B, T, V] and the state after it
     logits, cache = model.decode_step(token, cache)    # [B, V]
     tokens = generate(model, prompt, 32, temperature=0.8, rng=jax.random.key(0))
+
+Prompts of several lengths in one batch: `generate(..., prompt_lengths=[B])` (rows of
+`prompt` start at column 0, padded after). Inside, each row is moved to end at column T - 1
+(left padding, masked by `prefill`'s valid), so every sequence consumes its next token at the
+same step; since scores depend on position differences only (rotary and gates alike), the
+shift changes no output.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["GPTCache", "prefill", "decode_step", "generate"]
+__all__ = ["GPTCache", "prefill", "decode_step", "generate", "PAD_ID"]
+
+PAD_ID = -1  # generate's filler after each row's tokens (prompt_lengths): no token id
 
 
 class GPTCache(NamedTuple):
@@ -34,12 +43,14 @@ class GPTCache(NamedTuple):
     position: Array
 
 
-def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None
-            ) -> tuple[Float[Array, "B T V"], GPTCache]:
+def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,
+            valid: Bool[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], GPTCache]:
     """Forward over a prompt, returning its logits and the cache (sympow.prefill per layer).
 
     max_length: softmax KV-cache rows (prompt plus every token to decode; None =
     config.max_length, at least T); ignored by sympow, whose state has a fixed size.
+    valid: False on each row's left padding (prompts aligned at their ends; None: all
+    valid); the logits of padding positions are meaningless.
     """
     t = tokens.shape[1]
     if max_length is None:
@@ -47,7 +58,7 @@ def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None
     x = model.embed(tokens)  # [B, T, C]
     caches = []
     for block in model.blocks:
-        x, cache = block.prefill(x, max_length=max_length)
+        x, cache = block.prefill(x, max_length=max_length, valid=valid)
         caches.append(cache)
     return model.head(x), GPTCache(tuple(caches), jnp.asarray(t, jnp.int32))
 
@@ -67,36 +78,80 @@ def decode_step(model, token: Int[Array, " B"], cache: GPTCache
     return model.head(x)[:, 0], GPTCache(tuple(caches), cache.position + 1)
 
 
-def _next_token(logits: Float[Array, "B V"], key, temperature, greedy: bool) -> Array:
+def _next_token(logits: Float[Array, "B V"], key, temperature, greedy: bool, top_k: int,
+                vocab_limit: int | None) -> Array:
+    """Greedy argmax, or a sample of softmax(logits / temperature) among the top_k most
+    likely (0: all); ids >= vocab_limit never (None: no limit)."""
+    logits = logits.astype(jnp.float32)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+def _end_aligned(prompt: Int[Array, "B T"], lengths: Int[Array, " B"]):
+    """Rows moved to end at column T - 1 (the valid tokens of each row first in `prompt`),
+    and the mask of the valid ones."""
+    t = prompt.shape[1]
+    shift = t - lengths  # [B] left padding
+    source = jnp.arange(t)[None, :] - shift[:, None]  # [B, T]
+    valid = source >= 0
+    return jnp.take_along_axis(prompt, jnp.maximum(source, 0), axis=1), valid
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy",
-                                             "max_length"))
-def _generate(graphdef, state, prompt, key, temperature, *, max_new_tokens: int, greedy: bool,
-              max_length: int):
+                                             "max_length", "top_k", "vocab_limit"))
+def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tokens: int,
+              greedy: bool, max_length: int, top_k: int, vocab_limit: int | None):
     model = nnx.merge(graphdef, state)
-    logits, cache = prefill(model, prompt, max_length=max_length)
+    pick = functools.partial(_next_token, temperature=temperature, greedy=greedy, top_k=top_k,
+                             vocab_limit=vocab_limit)
+    if lengths is not None:
+        aligned, valid = _end_aligned(prompt, lengths)
+        logits, cache = prefill(model, aligned, max_length=max_length, valid=valid)
+    else:
+        logits, cache = prefill(model, prompt, max_length=max_length)
     keys = jax.random.split(key, max_new_tokens)
-    first = _next_token(logits[:, -1], keys[0], temperature, greedy)  # [B]
+    first = pick(logits[:, -1], keys[0])  # [B]
 
     def step(carry, step_key):
         token, cache = carry
         logits, cache = decode_step(model, token, cache)
-        next_token = _next_token(logits, step_key, temperature, greedy)
+        next_token = pick(logits, step_key)
         return (next_token, cache), next_token
 
     _, rest = jax.lax.scan(step, (first, cache), keys[1:])  # [N - 1, B]
-    return jnp.concatenate([prompt, first[:, None], rest.T.astype(prompt.dtype)], axis=1)
+    new = jnp.concatenate([first[:, None], rest.T.astype(prompt.dtype)], axis=1)  # [B, N]
+    if lengths is None:
+        return jnp.concatenate([prompt, new], axis=1)
+    # Row b: its prompt, its N new tokens, then PAD_ID to the common width T + N.
+    t, n = prompt.shape[1], max_new_tokens
+    columns = jnp.arange(t + n)[None, :]  # [1, T + N]
+    from_new = jnp.take_along_axis(new, jnp.clip(columns - lengths[:, None], 0, n - 1), axis=1)
+    out = jnp.where(columns < lengths[:, None], jnp.pad(prompt, ((0, 0), (0, n))), from_new)
+    return jnp.where(columns < (lengths + n)[:, None], out, PAD_ID)
 
 
 def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
-             temperature: float = 0.0, rng: jax.Array | None = None) -> Int[Array, "B T+N"]:
+             temperature: float = 0.0, rng: jax.Array | None = None,
+             prompt_lengths: Int[Array, " B"] | None = None, top_k: int = 0,
+             vocab_limit: int | None = None) -> Int[Array, "B T+N"]:
     """Continue `prompt` by max_new_tokens tokens: prefill, then a jit-compiled lax.scan of
     decode steps. temperature 0 = greedy (argmax); > 0 samples softmax(logits / temperature)
     with `rng` (a jax.random key). Returns int32 [B, T + max_new_tokens], prompt first.
+
+    top_k: sample among the top_k most likely tokens only (0: all; ignored when greedy).
+    vocab_limit: never produce ids >= vocab_limit (e.g. GPT-2's 50,257 tokens under a
+    vocabulary padded to 50,304); None: any id of the model's vocabulary.
+
+    prompt_lengths: [B] ints in [1, T], the number of tokens of each row (the rest of the
+    row is padding, any ids): a batch of prompts of several lengths. Row b of the result is
+    then its prompt, its max_new_tokens new tokens, and PAD_ID (-1) after them. Each row
+    gets the tokens it would get alone (up to the batch's floating-point reordering).
 
     The model is split into (graphdef, state) with nnx.split, so one compilation serves
     every call with the same shapes, settings and model structure.
@@ -105,14 +160,39 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got temperature={temperature!r}")
+    vocab = model.config.vocab_size
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab:
+        raise ValueError(f"top_k must be an int in [0, {vocab}] (the vocabulary), got "
+                         f"top_k={top_k!r}")
+    if vocab_limit is not None and (not isinstance(vocab_limit, int)
+                                    or not 1 <= vocab_limit <= vocab):
+        raise ValueError(f"vocab_limit must be None or an int in [1, {vocab}], got "
+                         f"vocab_limit={vocab_limit!r}")
     greedy = temperature == 0
     if not greedy and rng is None:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
     prompt = jnp.asarray(prompt, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be int [B, T] with T >= 1, got shape {prompt.shape}")
+    if prompt_lengths is not None:
+        prompt_lengths = _check_lengths(prompt_lengths, prompt.shape)
     key = jax.random.key(0) if rng is None else rng
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, key, jnp.float32(temperature or 1.0),
+    return _generate(graphdef, state, prompt, prompt_lengths, key,
+                     jnp.float32(temperature or 1.0),
                      max_new_tokens=max_new_tokens, greedy=greedy,
-                     max_length=prompt.shape[1] + max_new_tokens)
+                     max_length=prompt.shape[1] + max_new_tokens, top_k=top_k,
+                     vocab_limit=vocab_limit)
+
+
+def _check_lengths(lengths, shape) -> Array:
+    """prompt_lengths as int32 [B]; ValueError unless every entry is in [1, T]."""
+    b, t = shape
+    values = np.asarray(lengths)
+    if values.shape != (b,) or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"prompt_lengths must be ints [B] with B = {b}, got shape "
+                         f"{values.shape} and dtype {values.dtype}")
+    if values.min() < 1 or values.max() > t:
+        raise ValueError(f"prompt_lengths must lie in [1, T] with T = {t} (the prompt's "
+                         f"width), got {values.tolist()}")
+    return jnp.asarray(values, jnp.int32)

@@ -170,8 +170,8 @@ class Block(nnx.Module):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
-    def prefill(self, x: Float[Array, "B T C"], *, max_length: int):
-        y, cache = self.attn.prefill(self.ln1(x), max_length=max_length)
+    def prefill(self, x: Float[Array, "B T C"], *, max_length: int, valid=None):
+        y, cache = self.attn.prefill(self.ln1(x), max_length=max_length, valid=valid)
         x = x + y
         return x + self.mlp(self.ln2(x)), cache
 
@@ -215,9 +215,10 @@ class GPT(nnx.Module):
             x = block(x)
         return self.head(x)
 
-    def prefill(self, tokens: Int[Array, "B T"], *, max_length: int | None = None):
+    def prefill(self, tokens: Int[Array, "B T"], *, max_length: int | None = None,
+                valid=None):
         """(logits [B, T, V], cache) after the prompt; see `sympow.layers.decode.prefill`."""
-        return decode.prefill(self, tokens, max_length=max_length)
+        return decode.prefill(self, tokens, max_length=max_length, valid=valid)
 
     def decode_step(self, token: Int[Array, " B"], cache: decode.GPTCache):
         """(logits [B, V], cache) for one more token; see `sympow.layers.decode.decode_step`."""

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sympow.layers import decode as decode_lib
 from sympow.layers import generate
+from sympow.layers.decode import PAD_ID
 from tests.layers.helpers import (
     VARIANTS,
     VOCAB,
@@ -95,3 +97,71 @@ def test_generate_sampling_is_reproducible():
     with pytest.raises(ValueError, match="rng"):
         generate(model, prompt, 5, temperature=1.0)
 
+
+
+@pytest.mark.parametrize("variant, overrides", [(v, {}) for v in VARIANTS] + [
+    ("softmax", dict(rotary="learned")), ("conformal", dict(algorithm="attention"))])
+def test_left_padded_prompts_decode_as_each_prompt_alone(variant, overrides):
+    """Prompts of lengths 5, 9 and 2 end-aligned in one batch (valid masks the padding):
+    the prefill logits of the real positions and three decode steps after them equal the
+    full forward over each prompt and its continuation alone."""
+    model = randomized(tiny(variant, **overrides))
+    lengths, width = [5, 9, 2], 9
+    prompts, more = tokens(11, (3, width)), tokens(12, (3, 3))
+    aligned, valid = decode_lib._end_aligned(prompts, jnp.asarray(lengths))
+    logits, cache = model.prefill(aligned, max_length=width + 3, valid=valid)
+    steps = []
+    for s in range(3):
+        step_logits, cache = model.decode_step(more[:, s], cache)
+        steps.append(step_logits)
+    for b, n in enumerate(lengths):
+        alone = full_logits(model, jnp.concatenate([prompts[b:b + 1, :n], more[b:b + 1]], 1))[0]
+        assert rel_max_err(logits[b, width - n:], alone[:n]) < 1e-6, (b, "prefill")
+        for s in range(3):
+            assert rel_max_err(steps[s][b], alone[n + s]) < 1e-6, (b, s)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "conformal"])
+def test_generate_prompts_of_several_lengths(variant):
+    model = randomized(tiny(variant))
+    lengths, width, new = [4, 7, 1], 7, 5
+    prompts = tokens(13, (3, width))
+    out = generate(model, prompts, new, prompt_lengths=lengths)
+    assert out.shape == (3, width + new)
+    for b, n in enumerate(lengths):
+        alone = generate(model, prompts[b:b + 1, :n], new)[0]
+        np.testing.assert_array_equal(out[b, :n + new], alone)
+        assert np.all(np.asarray(out[b, n + new:]) == PAD_ID)
+
+
+def test_generate_rejects_bad_prompt_lengths():
+    model = randomized(tiny("conformal"))
+    prompts = tokens(14, (2, 6))
+    for bad, match in (([3], r"ints \[B\] with B = 2"), ([0, 3], r"in \[1, T\] with T = 6"),
+                       ([3, 7], r"in \[1, T\]"), ([1.5, 2.0], "dtype")):
+        with pytest.raises(ValueError, match=match):
+            generate(model, prompts, 2, prompt_lengths=bad)
+
+
+def test_prefill_rejects_a_valid_mask_of_another_shape():
+    model = randomized(tiny("sympow"))
+    with pytest.raises(ValueError, match=r"valid must be bool \[B, T\] with T = 13"):
+        model.prefill(tokens(0), valid=jnp.ones((2, 12), bool))
+
+
+def test_generate_top_k_and_vocab_limit():
+    model = randomized(tiny("conformal"))
+    prompt = tokens(15, (2, 4))
+    greedy = generate(model, prompt, 6)
+    top1 = generate(model, prompt, 6, temperature=1.0, rng=jax.random.key(3), top_k=1)
+    np.testing.assert_array_equal(top1, greedy)  # one candidate: the argmax
+    limited = generate(model, prompt, 12, temperature=1.0, rng=jax.random.key(4),
+                       vocab_limit=5)
+    assert int(limited[:, 4:].max()) < 5
+    sampled = generate(model, prompt, 12, temperature=1.0, rng=jax.random.key(4))
+    assert int(sampled[:, 4:].max()) >= 5  # without the limit the same key goes beyond it
+    for kwargs, match in ((dict(top_k=VOCAB + 1), "top_k must be an int in"),
+                          (dict(top_k=-1), "top_k"), (dict(vocab_limit=0), "vocab_limit"),
+                          (dict(vocab_limit=VOCAB + 1), "vocab_limit")):
+        with pytest.raises(ValueError, match=match):
+            generate(model, prompt, 2, **kwargs)
