@@ -65,8 +65,8 @@ def get_config(arg: str | None = None):
     config.eval.length = 8 * args["context"]
     config.eval.num_windows = 16
     config.eval.batch_size = 1
-    if args["bytes"]:
-        use_bytes(config)
     if args["runlocal"]:
         base.make_runlocal(config, context_size=min(args["context"], 128))
+    if args["bytes"]:  # after runlocal, which points at the GPT-2 store
+        use_bytes(config)
     return config

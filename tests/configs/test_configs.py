@@ -155,5 +155,10 @@ def test_quickstart_bytes_reads_the_byte_corpus():
     assert (config.model.vocab_size, config.data.eot) == (257, 256)
     assert config.num_train_steps == 800
     assert configlib.load_config(QUICKSTART).data.eot == 50256
+    local = configlib.load_config(f"{QUICKSTART}:bytes,runlocal")
+    assert (local.data.path, local.data.eot, local.model.vocab_size) == (
+        str(AUSTEN_BYTES_PATH), 256, 257)
+    assert _shape(local.model) == (2, 2, 2, 64)
+    configlib.validate(local)
     with pytest.raises(ValueError, match=r"data.eot: 300 must be below model.vocab_size 257"):
         configlib.load_config(f"{QUICKSTART}:bytes", ["data.eot=300"])
