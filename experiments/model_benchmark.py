@@ -1,9 +1,11 @@
-"""GPT-2 small on one GPU: training throughput and decoding, sympow next to softmax (cuDNN).
+"""GPT-2 small on one GPU: training throughput, decoding and inference, sympow next to softmax.
 
   PYTHONPATH=. python3 experiments/model_benchmark.py --train=softmax:0:4096,conformal:2:4096 \
       --out=$OUT
   PYTHONPATH=. python3 experiments/model_benchmark.py --train= \
-      --decode=conformal:4:4096,softmax:0:4096 --out=$OUT
+      --decode=conformal:2:1024,conformal:2:65536:16,softmax:0:65536:16 --out=$OUT
+  PYTHONPATH=. python3 experiments/model_benchmark.py --train= \
+      --forward=sympow:2:16384,conformal:2:16384 --out=$OUT    # [conformal] appendix A.5
 
 Training cases are `variant:p:context` (optionally `:microbatches`): GPT-2 small of that
 variant (the papers' settings: bf16 compute, float32 parameters, Adam 6e-4), --tokens tokens
@@ -13,10 +15,16 @@ the cost model chose for the model's attention call, compile seconds, the median
 over the steps after the first two, tokens/s, the loss of every step (must fall and stay
 finite) and the process's peak device memory.
 
-Decode cases are `variant:p:prompt`: the same model with bf16 parameters, `generate` after a
-prompt of that many corpus tokens for --new_tokens tokens, timed after a compiling call;
-ms/token = (generate - prefill) / new_tokens. Reported with the prefill time, the cache bytes
-and the peak memory.
+Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
+bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
+tokens, timed after a compiling call; ms/token = (generate - prefill) / new_tokens (one step
+of the whole batch), tokens/s = batch x new_tokens / (generate - prefill). Reported with the
+prefill time, the cache bytes and the peak memory.
+
+Forward cases are `variant:p:T`: inference wall time of the model's forward pass (logits of
+--tokens tokens, T-token windows) at bf16 parameters, the median of --reps calls after a
+compiling one: [conformal] appendix A.5 reports conformal-sympow's at 16,384 as 1.06x
+sympow's.
 
 Each case runs in its own process, so each peak memory is that case's and a case that runs
 out of memory is recorded with its error instead of ending the run. Writes
@@ -36,23 +44,34 @@ from absl import app, flags  # noqa: E402
 
 _TRAIN = flags.DEFINE_list("train", ["softmax:0:4096", "conformal:2:4096"],
                            "training cases variant:p:context[:microbatches]")
-_DECODE = flags.DEFINE_list("decode", [], "decode cases variant:p:prompt")
+_DECODE = flags.DEFINE_list("decode", [], "decode cases variant:p:prompt[:batch]")
+_FORWARD = flags.DEFINE_list("forward", [], "inference forward cases variant:p:T")
+_REPS = flags.DEFINE_integer("reps", 5, "timed calls per forward case (median)")
 _STEPS = flags.DEFINE_integer("steps", 8, "training steps per case")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "tokens per training step")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "tokens generated per decode case")
 _SIZE = flags.DEFINE_string("size", "small", "model size of sympow.layers.SIZES")
 _OUT = flags.DEFINE_string("out", None, "directory for model_benchmark.json")
 _TIMEOUT = flags.DEFINE_integer("timeout", 300, "seconds per case process")
-_CASE = flags.DEFINE_string("case", None, "internal: train|decode:variant:p:T[:mb] (JSON)")
+_CASE = flags.DEFINE_string("case", None, "internal: kind:variant:p:T[:n] (prints JSON)")
+KINDS = {"train": "microbatches", "decode": "batch", "forward": None}  # kind: 4th field
 
-def parse_case(spec: str) -> dict:
-    """'variant:p:T[:microbatches]' -> fields; ValueError naming the spec otherwise."""
+
+def parse_case(spec: str, kind: str = "train") -> dict:
+    """'variant:p:T[:n]' -> fields (n: a training case's microbatches, a decode case's batch;
+    forward cases take none); ValueError naming the spec otherwise."""
+    extra = KINDS[kind]
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts[1:]):
-        raise ValueError(f"case {spec!r}: need variant:p:T[:microbatches] with integer p, T "
-                         "and microbatches (p is ignored for softmax)")
-    return {"variant": parts[0], "p": int(parts[1]), "t": int(parts[2]),
-            "microbatches": int(parts[3]) if len(parts) == 4 else 1}
+    lengths = (3, 4) if extra else (3,)
+    if (len(parts) not in lengths or not all(x.isdigit() for x in parts[1:])
+            or int(parts[2]) < 1 or (len(parts) == 4 and int(parts[3]) < 1)):
+        form = f"variant:p:T[:{extra}]" if extra else "variant:p:T"
+        raise ValueError(f"{kind} case {spec!r}: need {form} with integer p, and positive "
+                         "integer T and count (p is ignored for softmax)")
+    case = {"variant": parts[0], "p": int(parts[1]), "t": int(parts[2])}
+    if extra:
+        case[extra] = int(parts[3]) if len(parts) == 4 else 1
+    return case
 
 
 def gpt_config(variant: str, p: int, **overrides):
@@ -159,10 +178,10 @@ def decode_case(case: dict) -> dict:
 
     from sympow.layers import GPT, generate
 
-    t, n = case["t"], _NEW_TOKENS.value
+    t, n, batch = case["t"], _NEW_TOKENS.value, case["batch"]
     config = gpt_config(case["variant"], case["p"], param_dtype="bfloat16", max_length=t + n)
     model = GPT(config, rngs=nnx.Rngs(0))
-    prompt = jnp.asarray(corpus_windows(65536)[1][:1, :t])  # [1, t]
+    prompt = jnp.asarray(_take(corpus_windows(t)[0], 0, batch))  # [batch, t], EOT first
     graphdef, weights = nnx.split(model)
 
     @jax.jit
@@ -180,20 +199,52 @@ def decode_case(case: dict) -> dict:
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.layers))
     del cache
     generate_s, tokens = timed(lambda: generate(model, prompt, n))
+    decode_s = generate_s - prefill_s
     return {**case, "kind": "decode", "new_tokens": n,
             "algorithm": chosen_algorithm(config, t, need_state=True),
             "prefill_ms": round(prefill_s * 1e3, 1), "generate_ms": round(generate_s * 1e3, 1),
-            "ms_per_token": round((generate_s - prefill_s) / n * 1e3, 3),
+            "ms_per_token": round(decode_s / n * 1e3, 3),
+            "tokens_per_s": round(batch * n / decode_s, 1),
             "cache_gb": round(cache_bytes / 1e9, 2), "tokens_shape": list(tokens.shape),
             "peak_gib": peak_gib()}
+
+
+def forward_case(case: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sympow.layers import GPT
+
+    t = case["t"]
+    rows = max(1, _TOKENS.value // t)
+    config = gpt_config(case["variant"], case["p"], param_dtype="bfloat16", max_length=t)
+    graphdef, weights = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+    inputs = jnp.asarray(_take(corpus_windows(t)[0], 0, rows))  # [rows, t]
+    forward = jax.jit(lambda w, x: nnx.merge(graphdef, w)(x))
+    start = time.perf_counter()
+    jax.block_until_ready(forward(weights, inputs))
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(_REPS.value):
+        start = time.perf_counter()
+        jax.block_until_ready(forward(weights, inputs))
+        times.append(time.perf_counter() - start)
+    forward_s = statistics.median(times)
+    return {**case, "kind": "forward", "rows": rows, "algorithm": chosen_algorithm(config, t),
+            "compile_s": round(compile_s, 1), "forward_ms": round(forward_s * 1e3, 2),
+            "tokens_per_s": round(rows * t / forward_s), "peak_gib": peak_gib()}
+
+
+CASES = {"train": train_case, "decode": decode_case, "forward": forward_case}
 
 
 def run_isolated(kind: str, spec: str) -> dict:
     """One case in its own process: its JSON line, or its error."""
     command = [sys.executable, __file__, f"--case={kind}:{spec}", f"--steps={_STEPS.value}",
                f"--tokens={_TOKENS.value}", f"--new_tokens={_NEW_TOKENS.value}",
-               f"--size={_SIZE.value}"]
-    case = {**parse_case(spec), "kind": kind}
+               f"--size={_SIZE.value}", f"--reps={_REPS.value}"]
+    case = {**parse_case(spec, kind), "kind": kind}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT.value)
     except subprocess.TimeoutExpired:
@@ -208,15 +259,20 @@ def run_isolated(kind: str, spec: str) -> dict:
 def report(results: list[dict]) -> None:
     print(f"{'case':<26}{'alg':>10}{'tok/s or ms/tok':>17}{'peak GiB':>10}  losses / note")
     for r in results:
-        name = f"{r['kind']} {r['variant']} p{r['p']} T{r['t']}"
+        name = f"{r['kind']} {r['variant']} p{r['p']} T{r['t']}" + (
+            f" B{r['batch']}" if r["kind"] == "decode" else "")
         if "error" in r:
             print(f"{name:<26}{'':>10}{'':>17}{'':>10}  ERROR {r['error'][:80]}")
             continue
-        value = r["tokens_per_s"] if r["kind"] == "train" else r["ms_per_token"]
+        value = r["ms_per_token"] if r["kind"] == "decode" else r["tokens_per_s"]
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        note = (f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
-                if r["kind"] == "train" else
-                f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB")
+        if r["kind"] == "train":
+            note = f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
+        elif r["kind"] == "decode":
+            note = (f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB, "
+                    f"{r['tokens_per_s']} tok/s")
+        else:
+            note = f"forward {r['forward_ms']} ms"
         print(f"{name:<26}{r['algorithm']:>10}{value:>17}{peak:>10}  {note}")
 
 
@@ -224,17 +280,18 @@ def main(argv):
     del argv
     if _CASE.value:
         kind, spec = _CASE.value.split(":", 1)
-        case = parse_case(spec)
-        result = train_case(case) if kind == "train" else decode_case(case)
+        result = CASES[kind](parse_case(spec, kind))
         import jax
 
         result.update(device=jax.devices()[0].device_kind, jax=jax.__version__)
         print(json.dumps(result))
         return
     results = []
-    for kind, specs in (("train", _TRAIN.value), ("decode", _DECODE.value)):
+    cases = (("train", _TRAIN.value), ("decode", _DECODE.value), ("forward", _FORWARD.value))
+    for kind, specs in cases:
         for spec in specs:
-            parse_case(spec)  # fail before any run
+            parse_case(spec, kind)  # fail before any run
+    for kind, specs in cases:
         for spec in specs:
             results.append(run_isolated(kind, spec))
             print(json.dumps(results[-1]), flush=True)
