@@ -15,11 +15,13 @@
 - ``evaluation``: contextwise loss of checkpoints, CSV and PNG.
 - ``tables``: the CSV format of evaluation and sweep tables.
 - ``sweep``: train + evaluate across training contexts, the final-loss-vs-context figure.
+- ``reports``: curves, the relative-loss table and loss vs context from run directories.
+- ``plots``: the figure helpers these share (matplotlib on the Agg backend, on first use).
 
 Imports of this package are light; the submodules pull in orbax, matplotlib and the layers.
 """
 
 from __future__ import annotations
 
-__all__ = ["checkpoint", "config", "data", "evaluation", "metrics", "model", "optim", "steps",
-           "sweep", "tables", "trainer", "workdir"]
+__all__ = ["checkpoint", "config", "data", "evaluation", "metrics", "model", "optim", "plots",
+           "reports", "steps", "sweep", "tables", "trainer", "workdir"]

@@ -26,6 +26,7 @@ from sympow.train import data as datalib
 from sympow.train import tables
 from sympow.train.checkpoint import Checkpointer, checkpoint_dir, with_sharding
 from sympow.train.model import ModelDef, model_def
+from sympow.train.plots import pyplot, save_figure
 from sympow.train.steps import make_contextwise_fn
 
 CSV_FILE, PNG_FILE, JSON_FILE = "contextwise.csv", "contextwise.png", "contextwise.json"
@@ -238,12 +239,7 @@ def plot_contextwise(path: str | os.PathLike, curves: Sequence[Curve], *, title:
                      bins: int = 48) -> Path:
     """Loss vs position (log x, log-binned means), one line per curve; a dashed red line at
     each training context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for c in curves:
         x, y = log_binned(c.losses, bins)
         ax.plot(x, y, label=c.label, linewidth=1.6)
@@ -257,11 +253,7 @@ def plot_contextwise(path: str | os.PathLike, curves: Sequence[Curve], *, title:
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_outputs(out_dir: str | os.PathLike, curves: Sequence[Curve], *,

@@ -29,6 +29,7 @@ from sympow.train import sweep, tables
 from sympow.train.config import CONFIG_FILE
 from sympow.train.evaluation import JSON_FILE as CONTEXTWISE_JSON
 from sympow.train.metrics import METRICS_FILE, final_loss, read_metrics
+from sympow.train.plots import context_axis, pyplot, save_figure
 from sympow.train.trainer import SUMMARY_FILE
 
 CURVES_PNG, TABLE_CSV, TABLE_MD = "curves.png", "relative_loss.csv", "relative_loss.md"
@@ -173,37 +174,6 @@ def moving_mean(values: np.ndarray, window: int) -> np.ndarray:
     ends = np.arange(1, len(values) + 1)
     starts = np.maximum(ends - window, 0)
     return (sums[ends] - sums[starts]) / (ends - starts)
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend (files only, no display), imported on first use:
-    tables and runs load without matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def context_axis(ax, contexts: Iterable[int], ylabel: str) -> None:
-    """A log2 training-context x axis with a tick at each context, grid and legend."""
-    ax.set_xscale("log", base=2)
-    contexts = sorted(set(contexts))
-    ax.set_xticks(contexts, [str(c) for c in contexts], fontsize=8)
-    ax.set_xlabel("training context (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def save_figure(fig, path: str | os.PathLike, title: str | None = None) -> Path:
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    return Path(path)
 
 
 _STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))

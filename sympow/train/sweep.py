@@ -21,6 +21,7 @@ from pathlib import Path
 from sympow.train import config as configlib
 from sympow.train import tables
 from sympow.train.evaluation import evaluate_workdir
+from sympow.train.plots import context_axis, pyplot, save_figure
 from sympow.train.trainer import SUMMARY_FILE, train
 
 log = logging.getLogger("sympow.train")
@@ -121,8 +122,6 @@ def read_csv(path: str | os.PathLike) -> list[dict]:
 def plot_sweep(path: str | os.PathLike, rows: list[dict], *, title: str | None = None) -> Path:
     """Final training loss (and held-out loss, if evaluated) vs training context, log2 x, one
     line per variant."""
-    from sympow.train.reports import context_axis, pyplot, save_figure  # reports imports us
-
     plt = pyplot()
     metrics = [("final_loss", "final training loss")]
     if any(math.isfinite(r["heldout_loss"]) for r in rows):
