@@ -38,7 +38,9 @@ One run: ``python experiments/train.py --config configs/study_small.py:conformal
 get_config arg: variant, ``p=2``, ``context=1024``, ``steps=N`` (default 400: 26.2M tokens),
 ``seed=0``, ``deviation=none|gate_bias|clip`` (the library's +5 gate bias, or clipping at
 1.0), ``runlocal``. get_sweep arg: ``part=contexts|seeds|p4|gate_bias|clip``, ``steps=N``,
-``runlocal`` (the micro model on the embedded corpus, contexts 64-256: a CPU smoke test).
+``contexts=1024+4096`` and ``variants=softmax+conformal`` (a subset of the part's runs, to
+split a part over device calls), ``runlocal`` (the micro model on the embedded corpus,
+contexts 64-256: a CPU smoke test).
 
 Expected result ([conformal] Figure 1b, Figure 2): sympow falls behind softmax as the
 training context grows; gating closes the gap and conformal-sympow is lowest; past the training
@@ -89,13 +91,27 @@ def get_config(arg: str | None = None):
 
 
 def get_sweep(arg: str | None = None):
-    args = base.parse_arg(arg, part="contexts", steps=0, runlocal=False)
+    args = base.parse_arg(arg, part="contexts", contexts="", variants="", steps=0,
+                          runlocal=False)
     if args["part"] not in PARTS:
         raise ValueError(f"sweep arg: part {args['part']!r} not in {sorted(PARTS)}")
     variants, contexts, p, seed, deviation = PARTS[args["part"]]
     if args["runlocal"]:
         contexts = LOCAL_CONTEXTS[:len(contexts)]
+    variants = _subset(args["variants"], variants, str, "variants")
+    contexts = _subset(args["contexts"], contexts, int, "contexts")
     extra = f",p={p},seed={seed},deviation={deviation}"
     extra += (",runlocal" if args["runlocal"] else "") + (
         f",steps={args['steps']}" if args["steps"] else "")
     return [get_config(f"{v},context={t}{extra}") for v in variants for t in contexts]
+
+
+def _subset(chosen, allowed, cast, name):
+    """The part's ``allowed`` values named by ``chosen`` ('a+b'; '' = all), in that order."""
+    if chosen in ("", None):
+        return list(allowed)
+    values = [cast(v) for v in str(chosen).split("+")]
+    if set(values) - set(allowed):
+        raise ValueError(f"sweep arg: {name} {sorted(set(values) - set(allowed))} not in this "
+                         f"part's {list(allowed)}")
+    return values

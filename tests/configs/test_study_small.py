@@ -43,6 +43,19 @@ def test_each_deviation_changes_exactly_its_field():
         assert configlib.diff(configlib.to_dict(paper), configlib.to_dict(run)) == [change]
 
 
+def test_a_part_split_by_context_and_variant():
+    runs = sweep("part=contexts,contexts=1024,variants=softmax+conformal")
+    assert [(c.variant, c.data.context_size) for c in runs] == [("softmax", 1024),
+                                                                ("conformal", 1024)]
+    runs = sweep("part=contexts,contexts=256+4096,variants=sympow")
+    assert [(c.variant, c.data.context_size) for c in runs] == [("sympow", 256),
+                                                                ("sympow", 4096)]
+    with pytest.raises(ValueError, match=r"contexts \[512\] not in this part's"):
+        sweep("part=contexts,contexts=512")
+    with pytest.raises(ValueError, match=r"variants \['softmax'\] not in this part's"):
+        sweep("part=p4,variants=softmax")
+
+
 def test_unknown_part_or_deviation():
     with pytest.raises(ValueError, match="part 'nope' not in"):
         sweep("part=nope")
