@@ -40,7 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # an uninstalled s
 
 from absl import app, flags  # noqa: E402
 
-BYTE_VOCAB, BYTE_EOT = 257, 256  # sympow.data.AUSTEN_BYTES_{VOCAB,EOT}
+from sympow.data import AUSTEN_BYTES_EOT as BYTE_EOT  # noqa: E402
+from sympow.data import AUSTEN_BYTES_VOCAB as BYTE_VOCAB  # noqa: E402
+from sympow.data import EOT, gpt2_encoding  # noqa: E402
+
 EOT_TEXT = "<|endoftext|>"
 SEPARATOR = "-" * 15  # nanoGPT's
 
@@ -99,16 +102,14 @@ class GPT2Tokenizer(Tokenizer):
 
 @functools.cache
 def _gpt2_encoding():
-    from sympow.data.tokenizer import gpt2_encoding
-
+    """Built once per process: sample_text makes the run's tokenizer twice (checking
+    arguments, then loading the run), and building it reads and checks the BPE files."""
     return gpt2_encoding()
 
 
 def run_tokenizer(config) -> Tokenizer:
     """The tokenizer of a run's config: bytes for vocabulary 257 with end-of-text 256, GPT-2
     BPE for end-of-text 50256 with a vocabulary of at least 50257 (50304: padded)."""
-    from sympow.data import EOT
-
     vocab, eot = int(config.model.vocab_size), int(config.data.get("eot", EOT))
     if (vocab, eot) == (BYTE_VOCAB, BYTE_EOT):
         return ByteTokenizer()
