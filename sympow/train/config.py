@@ -22,6 +22,7 @@ from pathlib import Path
 import ml_collections
 
 from sympow.layers import PRESETS
+from sympow.layers.attention import check_gate_bias
 from sympow.train.optim import check_optim
 
 CONFIG_FILE = "config.json"
@@ -70,6 +71,15 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _accepted_by(check, value) -> bool:
+    """Whether the library's own check (raising ValueError) accepts ``value``."""
+    try:
+        check(value)
+    except ValueError:
+        return False
+    return True
+
+
 _POSITIVE_INT = (lambda x: _is_int(x) and x > 0, "a positive int")
 _NONNEGATIVE_INT = (lambda x: _is_int(x) and x >= 0, "an int >= 0")
 # Dotted field -> (test, what it needs). Fields a config lacks are skipped (older configs);
@@ -87,8 +97,7 @@ _RULES = {
                        and (x == 0 or 1 < x < math.inf), "0 (check off) or a number > 1"),
     "model.p": (lambda x: _is_int(x) and x > 0 and x % 2 == 0, "a positive even int"),
     "model.chunk_size": (lambda x: x is None or _is_int(x) and x > 0, "a positive int or None"),
-    "model.gate_bias": (lambda x: x is None or isinstance(x, (int, float))
-                        and not isinstance(x, bool) and math.isfinite(x),
+    "model.gate_bias": (lambda x: _accepted_by(check_gate_bias, x),
                         "a finite number or None (no gate bias: the papers' gate)"),
     "data.context_size": _POSITIVE_INT,
     "data.docs_per_batch": _POSITIVE_INT,
