@@ -167,10 +167,8 @@ def _backward(blocks: Blocks, y, m, den, dy, p: int):
     inv_den = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
     back = lambda x, d: jnp.roll(x, -d, axis=2)  # noqa: E731  index n - d <- n
 
-    index = jnp.arange(n)
-
     def step(carry, d):
-        dq, dk, dv, (dhead, dtail, ddiag, pairs), middle = carry
+        dq, dk, dv, (dhead, dtail, ddiag), middle = carry
         pr = pair(blocks, d, middle, p)
         prob = jnp.exp(pr.logits - m[..., None]) * inv_den[..., None]  # 0 where not valid
         dprob = jnp.einsum("bhrnie,bhnje->bhrnij", dy, pr.v, precision=HIGHEST)
@@ -185,17 +183,21 @@ def _backward(blocks: Blocks, y, m, den, dy, p: int):
         dhead = dhead + jnp.where(across, jnp.sum(dl, axis=-1), 0.0)
         dtail = dtail + jnp.where(across, back(jnp.sum(dl, axis=-2), d), 0.0)
         ddiag = jnp.where(across, ddiag, diagonal_straddle(dl))
-        pair_here = across & (index[:, None] - index[None, :] == d)  # [I, J]: J = I - d
-        pairs = jnp.where(pair_here, jnp.sum(dl, axis=(-2, -1))[..., None], pairs)
-        gates = (dhead, dtail, ddiag, pairs)
-        return (dq, dk, dv, gates, next_middle(blocks, d, middle)), None
+        gates = (dhead, dtail, ddiag)
+        pair_totals = jnp.sum(dl, axis=(-2, -1))  # [B, Hk, N]: block pair (I, I - d)
+        return (dq, dk, dv, gates, next_middle(blocks, d, middle)), pair_totals
 
     zeros = jnp.zeros_like(blocks.head)
-    gates = (zeros, zeros, zeros, jnp.zeros((*blocks.tot.shape, n), blocks.tot.dtype))
     init = (jnp.zeros_like(blocks.q), jnp.zeros_like(blocks.k), jnp.zeros_like(blocks.v),
-            gates, jnp.zeros_like(blocks.tot))
-    (dq, dk, dv, gates, _), _ = jax.lax.scan(step, init, index)
-    return dq, dk, dv, block_gate_cotangent(*gates)
+            (zeros, zeros, zeros), jnp.zeros_like(blocks.tot))
+    (dq, dk, dv, gates, _), by_offset = jax.lax.scan(step, init, jnp.arange(n))  # [d, B,Hk,I]
+    index = jnp.arange(n)
+    offset = index[:, None] - index[None, :]  # [I, J]: d = I - J
+    by_offset = jnp.moveaxis(by_offset, 0, -1)  # [B, Hk, I, d]
+    pairs = jnp.take_along_axis(by_offset, jnp.broadcast_to(
+        jnp.clip(offset, 0, n - 1), by_offset.shape[:-2] + (n, n)), axis=-1)  # [B, Hk, I, J]
+    pairs = jnp.where(offset > 0, pairs, 0.0)  # J < I only (d = 0 is the diagonal)
+    return dq, dk, dv, block_gate_cotangent(*gates, pairs)
 
 
 def _unblock(x: Array, length: int) -> Array:
