@@ -94,9 +94,9 @@ class KVCache(NamedTuple):
     start: Array | None = None
 
 
-def _padding_rows(valid: Bool[Array, "B T"] | None, t: int) -> None:
-    """Checks a prefill's valid mask: [B, T] booleans, each row's valid tokens at its end
-    (left padding), at least one per row. Traced values cannot be checked: the shape only."""
+def _check_valid(valid: Bool[Array, "B T"] | None, t: int) -> None:
+    """The shape of a prefill's valid mask: [B, T] (its values, each row's valid tokens at its
+    end, may be traced, so they are the caller's to get right)."""
     if valid is not None and (valid.ndim != 2 or valid.shape[1] != t):
         raise ValueError(f"valid must be bool [B, T] with T = {t} (the prompt), got shape "
                          f"{valid.shape}")
@@ -268,7 +268,7 @@ class SympowAttention(_Attention):
         positions changes nothing.
         """
         del max_length
-        _padding_rows(valid, x.shape[1])
+        _check_valid(valid, x.shape[1])
         q, k, v, log_g, mu = self.project(x)
         if valid is not None:
             k = jnp.where(valid[:, :, None, None], k, jnp.zeros((), k.dtype))
@@ -332,7 +332,7 @@ class SoftmaxAttention(_Attention):
         if max_length < t:
             raise ValueError(f"max_length must be >= the prompt length {t}, got "
                              f"max_length={max_length}")
-        _padding_rows(valid, t)
+        _check_valid(valid, t)
         q, k, v, _, mu = self.project(x)
         if valid is None:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
