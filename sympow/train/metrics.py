@@ -52,6 +52,12 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def final_loss_window(config, num_train_steps: int) -> int:
+    """Steps the final loss averages: ``config.final_loss_steps``, or with 0 (or absent) the
+    last 10% of ``num_train_steps`` (at least 1)."""
+    return int(config.get("final_loss_steps") or 0) or max(1, num_train_steps // 10)
+
+
 def final_loss(records: list[dict], last_steps: int) -> float:
     """Mean training loss over the last ``last_steps`` steps (records weighted by the steps
     they cover)."""

@@ -28,7 +28,7 @@ import numpy as np
 from sympow.train import sweep, tables
 from sympow.train.config import CONFIG_FILE
 from sympow.train.evaluation import JSON_FILE as CONTEXTWISE_JSON
-from sympow.train.metrics import METRICS_FILE, final_loss, read_metrics
+from sympow.train.metrics import METRICS_FILE, final_loss, final_loss_window, read_metrics
 from sympow.train.plots import context_axis, pyplot, save_figure
 from sympow.train.trainer import SUMMARY_FILE
 
@@ -132,8 +132,7 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
         final = float(_read_json(summary_path)["final_loss"])
     else:  # still training: the trainer's own window over what is logged so far
         total = int(config.get("num_train_steps", steps[-1]))
-        final = final_loss(records, int(config.get("final_loss_steps") or 0)
-                           or max(1, total // 10))
+        final = final_loss(records, final_loss_window(config, total))
     loss = np.asarray([r["loss"] for r in records], np.float64)
     return Run(run_dir, label or f"{_name(variant, p)} ctx={context} seed={seed}", variant, p,
                context, seed, steps, tokens, loss, final, heldout_loss_of(run_dir, context))

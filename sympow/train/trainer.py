@@ -43,7 +43,13 @@ import numpy as np
 from sympow.train import config as configlib
 from sympow.train import data as datalib
 from sympow.train.checkpoint import Checkpointer, checkpoint_dir, with_sharding
-from sympow.train.metrics import MetricsWriter, Progress, final_loss, read_metrics
+from sympow.train.metrics import (
+    MetricsWriter,
+    Progress,
+    final_loss,
+    final_loss_window,
+    read_metrics,
+)
 from sympow.train.model import init_model_state, model_def
 from sympow.train.optim import make_optimizer
 from sympow.train.steps import init_train_state, make_train_step
@@ -274,7 +280,7 @@ def _train(config, workdir: Path, lead: bool, stop_fn, progress: bool) -> dict:
         # exception (a diverged loss, a data error) saves nothing
     wall = time.perf_counter() - t_start
     records = read_metrics(workdir) if lead else []
-    window = int(config.get("final_loss_steps", 0)) or max(1, total // 10)
+    window = final_loss_window(config, total)
     warm_rate = ((step - step_warm) * tokens_per_step / (t_last - t_warm)
                  if t_warm is not None and t_last > t_warm else float("nan"))
     summary = {
