@@ -75,9 +75,10 @@ def init_model_state(mdef: ModelDef, seed: int, sharding=None):
     """(params, rest) of a fresh model with ``seed``, placed with ``sharding`` (None: the
     default device).
 
-    Built by the host's CPU backend, then placed: XLA:GPU compiled GPT-2 small's jitted
-    initializer for 2 min 52 s on an H100 (a "very slow compile" of ``jit_init``), the CPU
-    backend compiles it in about 5 s (2-core CPU, GPT-2 small). Every process builds the
+    Built by the host's CPU backend, then placed: issue 14 reports XLA:GPU compiling GPT-2
+    small's jitted initializer for minutes on an H100 (a "very slow compile" of
+    ``jit_init``; not yet re-measured with this change), while the CPU backend compiles it
+    in about 5 s (2-core CPU). Every process builds the
     same values from ``seed`` on its own CPU, so placing them with a global sharding is
     consistent across hosts.
     """
