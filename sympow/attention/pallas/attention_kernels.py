@@ -24,11 +24,13 @@ Backward (m is a constant, as the stop_gradient in the oracle makes it): with
 dw_ij = dO_i . V_j + dden_i and dl_ij = w_ij dw_ij,
   dV_j = sum_i w_ij dO_i,  dQ_i = sum_j ds_ij K_j,  dK_j = sum_i ds_ij Q_i,
   ds_ij = p dl_ij / (Q_i . K_j)   (d l_ij / d s_ij = p / s_ij),
-  dG_i += sum_j dl_ij,  dG_j -= sum_i dl_ij,
-the cotangent of the logits as functions of G_i - G_j (G the cumulative gate sum; vjps.py
-turns it into that of a). Two kernels recompute w from the saved m: one per query block
-(dQ, dG_i) and one per key block looping over the R query heads of its kv head (dK, dV,
-dG_j); no atomics.
+and the log gates' cotangent da_k = sum_{i >= k > j} dl_ij through the local sums the decays
+were built from (`chunked.block_gate_cotangent`): per query the sum over earlier key blocks
+(dhead), per key the sum over later query blocks (dtail), per diagonal block the in-block
+sums, per block pair its total (for the blocks between). Each pair enters once, so nothing
+relies on two kernels rounding a pair alike. Two kernels recompute w from the saved m: one
+per query block (dQ, dhead, the diagonal and the pair totals) and one per key block looping
+over the R query heads of its kv head (dK, dV, dtail); no atomics.
 """
 
 from __future__ import annotations
@@ -82,15 +84,22 @@ def _block(index, plan: Plan):
     return pl.ds(pl.multiple_of(index * plan.attn_bq, plan.attn_bq), plan.attn_bq)
 
 
+def _pair_slots(plan: Plan) -> int:
+    """Length of a query block's row of pair totals: C / K blocks, rounded up to a power of
+    two (Triton's vectors)."""
+    return 1 << (plan.c // plan.attn_bq - 1).bit_length()
+
+
 def _walk_back(i, a_ref, head, tl_ref, visit, carry, plan: Plan):
-    """visit(carry, key block j, decay [K, K]) for the diagonal block j = i, then for
-    j = i - 1, ..., 0 with decay head_i + mid + tail_j (mid grows by each block passed)."""
-    carry = visit(carry, _block(i, plan), _diagonal_decay(a_ref[_block(i, plan)], plan), True)
+    """visit(carry, key block j, decay [K, K], diagonal) for the diagonal block j = i, then
+    for j = i - 1, ..., 0 with decay head_i + mid + tail_j (mid grows by each block passed)."""
+    carry = visit(carry, i, _diagonal_decay(a_ref[_block(i, plan)], plan), True)
 
     def body(step, state):
         carry, mid = state
-        keys = _block(i - 1 - step, plan)
-        carry = visit(carry, keys, head[:, None] + (mid + tl_ref[keys][None, :]), False)
+        j = i - 1 - step
+        keys = _block(j, plan)
+        carry = visit(carry, j, head[:, None] + (mid + tl_ref[keys][None, :]), False)
         return carry, mid + jnp.sum(a_ref[keys])
 
     return jax.lax.fori_loop(0, i, body, (carry, jnp.zeros((), jnp.float32)))[0]
@@ -101,8 +110,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, o_ref, den_ref, m_re
     i = pl.program_id(0)
     q = q_ref[...]  # [K, D]
 
-    def visit(carry, keys, decay, diagonal):
+    def visit(carry, j, decay, diagonal):
         acc, den, m = carry
+        keys = _block(j, plan)
         _, _, logit = _scores(q, k_ref[keys, :], decay, plan, diagonal=diagonal)
         m_new = jnp.maximum(m, jnp.max(logit, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
@@ -121,26 +131,38 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, o_ref, den_ref, m_re
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_ref, dq_ref,
-               dg_ref, *, plan: Plan):
+               dhead_ref, ddiag_ref, pairs_ref, *, plan: Plan):
     i = pl.program_id(0)
     q, m, do, dden = q_ref[...], m_ref[...], do_ref[...], dden_ref[...]
+    # The pair totals are stored one element per key block as the walk passes it, not carried
+    # as a [slots] vector through the loop: the carried row faulted on an H100
+    # (CUDA_ERROR_MISALIGNED_ADDRESS, jax 0.11.2) for chunks of 15 blocks.
+    pairs_ref[...] = jnp.zeros(pairs_ref.shape, jnp.float32)
 
-    def visit(carry, keys, decay, diagonal):
-        dq, dg = carry
+    def visit(carry, j, decay, diagonal):
+        dq, dhead, ddiag = carry
+        keys = _block(j, plan)
         k = k_ref[keys, :]
         s, valid, logit = _scores(q, k, decay, plan, diagonal=diagonal)
         _, dl, ds = _grad_terms(s, valid, logit, m, do, v_ref[keys, :], dden, plan)
-        return dq + dot(ds, k, plan), dg + jnp.sum(dl, axis=1)
+        dq = dq + dot(ds, k, plan)
+        if diagonal:
+            return dq, dhead, chunked.diagonal_straddle(dl)
+        rows = jnp.sum(dl, axis=1)
+        pairs_ref[pl.ds(j, 1)] = jnp.sum(rows, keepdims=True)
+        return dq, dhead + rows, ddiag
 
     kk = plan.attn_bq
-    init = (jnp.zeros((kk, plan.d), jnp.float32), jnp.zeros((kk,), jnp.float32))
-    dq, dg = _walk_back(i, a_ref, hd_ref[_block(i, plan)], tl_ref, visit, init, plan)
+    zeros = jnp.zeros((kk,), jnp.float32)
+    init = (jnp.zeros((kk, plan.d), jnp.float32), zeros, zeros)
+    dq, dhead, ddiag = _walk_back(i, a_ref, hd_ref[_block(i, plan)], tl_ref, visit, init, plan)
     dq_ref[...] = dq.astype(dq_ref.dtype)
-    dg_ref[...] = dg
+    dhead_ref[...] = dhead
+    ddiag_ref[...] = ddiag
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_ref, dk_ref,
-                dv_ref, dg_ref, *, plan: Plan, groups: int):
+                dv_ref, dtail_ref, *, plan: Plan, groups: int):
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     own = _block(j, plan)
@@ -148,13 +170,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_
 
     def visit(carry, queries, decay, diagonal):  # every query head r of the group
         def one_head(r, carry):
-            dk, dv, dg = carry
+            dk, dv, dtail = carry
             q, do = q_ref[r, queries, :], do_ref[r, queries, :]
             s, valid, logit = _scores(q, k, decay, plan, diagonal=diagonal)
             w, dl, ds = _grad_terms(s, valid, logit, m_ref[r, queries], do, v,
                                     dden_ref[r, queries], plan)
+            if not diagonal:  # the diagonal block's pairs are the dq kernel's
+                dtail = dtail + jnp.sum(dl, axis=0)
             return (dk + dot(ds, q, plan, trans_a=True), dv + dot(w, do, plan, trans_a=True),
-                    dg - jnp.sum(dl, axis=0))
+                    dtail)
         return jax.lax.fori_loop(0, groups, one_head, carry)
 
     kk = plan.attn_bq
@@ -169,10 +193,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_
         return carry, mid + jnp.sum(a_ref[queries])
 
     steps = plan.c // kk - 1 - j
-    dk, dv, dg = jax.lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))[0]
+    dk, dv, dtail = jax.lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))[0]
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-    dg_ref[...] = dg
+    dtail_ref[...] = dtail
 
 
 def _specs(plan: Plan, hq: int, groups: int):
@@ -216,8 +240,9 @@ def attention_fwd(q, k, v, a, head, tail, plan: Plan):
 
 
 def attention_bwd(q, k, v, a, head, tail, m, do, dden, plan: Plan):
-    """(dq, dk, dv, dG) of `attention_fwd` for cotangents (do, dden); m carries none. dG
-    [B,Hk,N,C] is the cotangent of the within-chunk cumulative gate sum G."""
+    """(dq, dk, dv, da) of `attention_fwd` for cotangents (do, dden); m carries none. da
+    [B,Hk,N,C] is the cotangent of the log gates a (head and tail, being sums of a, pass
+    theirs on to it)."""
     _check_square_blocks(plan)
     b, hq, n, c, d = q.shape
     hk = k.shape[1]
@@ -225,14 +250,20 @@ def attention_bwd(q, k, v, a, head, tail, m, do, dden, plan: Plan):
     e, rows = plan.e, plan.attn_bq
     per_query, per_kv = _specs(plan, hq, groups)
     do = do.astype(plan.mm_dtype)
-    dq, dg_q = launch(
+    blocks, slots = c // rows, _pair_slots(plan)
+    pair_row = pl.BlockSpec((None, None, None, None, slots),  # [B, Hq, N, C/K, slots]
+                            lambda x, n_, bh: (*split_heads(bh, hq), n_, x, 0))
+    f32 = jnp.float32
+    dq, dhead, ddiag, pairs = launch(
         lambda *refs: _dq_kernel(*refs, plan=plan), plan=plan, name="sympow_attention_dq",
-        grid=(c // rows, n, b * hq),
+        grid=(blocks, n, b * hq),
         in_specs=[per_query(rows, d), per_kv(d), per_kv(e), per_kv(), per_kv(), per_kv(),
                   per_query(rows), per_query(rows, e), per_query(rows)],
-        out_specs=[per_query(rows, d), per_query(rows)],
+        out_specs=[per_query(rows, d), per_query(rows), per_query(rows), pair_row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, hq, n, c), jnp.float32)],
+                   jax.ShapeDtypeStruct((b, hq, n, c), f32),
+                   jax.ShapeDtypeStruct((b, hq, n, c), f32),
+                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), f32)],
         warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, a, head, tail, m, do, dden)
 
     def per_key(width=None):  # [B, Hk, N, C(, W)] at key block x
@@ -247,7 +278,7 @@ def attention_bwd(q, k, v, a, head, tail, m, do, dden, plan: Plan):
 
     whole_chunk = pl.BlockSpec((None, None, None, c),
                                lambda x, n_, bh: (*split_heads(bh, hk), n_, 0))
-    dk, dv, dg_k = launch(
+    dk, dv, dtail = launch(
         lambda *refs: _dkv_kernel(*refs, plan=plan, groups=groups), plan=plan,
         name="sympow_attention_dkv", grid=(c // rows, n, b * hk),
         in_specs=[per_group(d), per_key(d), per_key(e), whole_chunk, whole_chunk, whole_chunk,
@@ -256,5 +287,9 @@ def attention_bwd(q, k, v, a, head, tail, m, do, dden, plan: Plan):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
                    jax.ShapeDtypeStruct((b, hk, n, c), jnp.float32)],
         warps=plan.warps_attn, stages=plan.attn_stages)(q, k, v, a, head, tail, m, do, dden)
-    dg = dg_k + dg_q.reshape(b, hk, groups, n, c).sum(axis=2)
-    return dq, dk, dv, dg
+    per_kv_head = lambda x: x.reshape(b, hk, groups, *x.shape[2:]).sum(axis=2)  # noqa: E731
+    in_blocks = lambda x: x.reshape(b, hk, n, blocks, rows)  # noqa: E731
+    da = chunked.block_gate_cotangent(
+        in_blocks(per_kv_head(dhead)), in_blocks(dtail), in_blocks(per_kv_head(ddiag)),
+        per_kv_head(pairs)[..., :blocks])
+    return dq, dk, dv, da.reshape(a.shape)

@@ -95,23 +95,8 @@ def _attention_fwd(plan, q, k, v, a):
 def _attention_bwd(plan, res: AttentionResiduals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
     head, tail = attention_kernels.block_gate_sums(res.a, plan)
-    dq, dk, dv, dg = attention_kernels.attention_bwd(res.q, res.k, res.v, res.a, head, tail,
-                                                     res.m, do, dden, plan)
-    # dg is dL/dG_t of the logits as functions of G_i - G_j (G = cumsum a within the chunk);
-    # d(G_i - G_j)/da_k = [j < k <= i], so da_k = sum_{t >= k} dG_t.
-    return dq, dk, dv, _reverse_cumsum(dg, plan.attn_bq)
-
-
-def _reverse_cumsum(x, block: int):
-    """sum_{t >= k} x_t along the last axis, in two levels (within blocks, then over the block
-    totals), so no float32 running sum spans more than max(block, C / block) terms: the one
-    long sum of the attention form (C = T) erred 4e-5 on an H100 at T = 65,536."""
-    blocks = jnp.flip(x.reshape(*x.shape[:-1], -1, block), (-2, -1))  # last block first
-    within = jnp.cumsum(blocks, axis=-1)
-    totals = within[..., -1]  # [..., C / block], last block first
-    before = jnp.concatenate([jnp.zeros_like(totals[..., :1]),
-                              jnp.cumsum(totals[..., :-1], axis=-1)], axis=-1)
-    return jnp.flip(within + before[..., None], (-2, -1)).reshape(x.shape)
+    return attention_kernels.attention_bwd(res.q, res.k, res.v, res.a, head, tail, res.m, do,
+                                           dden, plan)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

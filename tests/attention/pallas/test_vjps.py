@@ -1,6 +1,4 @@
-"""The log gates' cotangent: from local sums (`chunked.block_gate_cotangent`, every pair
-(i, j) counted once per a_k it moves; the blocked form's) and the Pallas vjp's two-level
-reverse cumulative sum of dG."""
+"""The log gates' cotangent from local sums: every pair (i, j) counted once per a_k it moves."""
 
 from __future__ import annotations
 
@@ -9,15 +7,6 @@ import numpy as np
 import pytest
 
 from sympow.attention import chunked, testing
-from sympow.attention.pallas.vjps import _reverse_cumsum
-
-
-@pytest.mark.parametrize(("length", "block"), [(256, 16), (64, 64), (128, 32)])
-def test_reverse_cumsum_matches_numpy(x64, rng, length, block):
-    x = rng.normal(size=(2, 3, 1, length))
-    want = np.flip(np.cumsum(np.flip(x, -1), -1), -1)
-    got = _reverse_cumsum(jnp.asarray(x), block)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 
 
 def straddle_sums(dl):
@@ -83,12 +72,12 @@ def pair_cotangents(kind: str, t: int, p: int = 2):
 
 
 def test_gate_cotangent_does_not_rely_on_two_copies_cancelling(x64, rng):
-    """Two kernels (the Pallas tier's dq and dkv) recompute each pair's dl with their own
-    rounding. Emulated by independent relative noise of 2^-22 per copy on the history where
-    the H100 erred (gates x200), the local-sum cotangent stays at the noise level, while the
-    dG form (dG_i = sum_j dl_ij, dG_j -= sum_i dl_ij, da = reverse cumsum of dG, today's
-    Pallas vjp) errs 1e-5: the rows of a normalized attention's dl sum to zero, so its da is
-    what is left of sums that cancel (docs/design.md §4)."""
+    """The dq and dkv kernels recompute each pair's dl with their own rounding. Emulated by
+    independent relative noise of 2^-22 per copy on the history the H100 failed (gates
+    x200), the local-sum cotangent stays at the noise level, while the former form
+    (dG_i = sum_j dl_ij, dG_j -= sum_i dl_ij, da = reverse cumsum of dG) erred 1e-5: the
+    rows of a normalized attention's dl sum to zero, so its da was what was left of sums
+    that cancel."""
     blocks, block = 15, 64
     t = blocks * block  # 960 >= 900: zero-padded, as the kernels pad
     dl = np.pad(pair_cotangents("gates_x200", 900), ((0, t - 900), (0, t - 900)))
