@@ -51,6 +51,7 @@ from sympow.attention.chunked import (
     capped_block,
     diagonal_straddle,
     from_chunks,
+    gates_or_zeros,
     normalize_queries_and_keys,
     to_chunks,
 )
@@ -242,6 +243,4 @@ def blocked_attention(
     float32 [B, T, Hq, E] (float64 for float64 inputs). block: K rows per query and key block.
     """
     q, k, _ = normalize_queries_and_keys(q, k)  # exact (docs/design.md §4); scales carry no grad
-    if log_g is None:
-        log_g = jnp.zeros(k.shape[:3], compute_dtype(q, k, v))
-    return _attention(q, k, v, log_g, p, block)
+    return _attention(q, k, v, gates_or_zeros(log_g, k, compute_dtype(q, k, v)), p, block)

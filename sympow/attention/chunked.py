@@ -128,6 +128,16 @@ def block_gate_cotangent(
     return from_head + from_tail + mid[..., None] + ddiag
 
 
+def gates_or_zeros(log_g: LogGates | None, k: Keys, dtype) -> LogGates:
+    """log_g [B, T, Hk] in dtype, or zeros for an ungated call. The zeros pass an
+    optimization barrier: XLA's GPU compiler otherwise constant-folds every gate sum built
+    from them (cumulative sums rewritten as reduce-windows, evaluated element by element on
+    the host), which took minutes to compile an ungated model's training step on an H100."""
+    if log_g is not None:
+        return log_g.astype(dtype)
+    return jax.lax.optimization_barrier(jnp.zeros(k.shape[:3], dtype))
+
+
 def suffix_sums(a: Float[Array, "... C"]) -> Float[Array, "... C"]:
     """sum_{k > j} a_k along the last axis: an exclusive cumulative sum from the end.
 
@@ -200,7 +210,7 @@ def chunked_attention(
     n = math.ceil(t / chunk_size)
     ct = compute_dtype(q, k, v)
     q, k, k_scale = normalize_queries_and_keys(q, k)
-    log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
+    log_g = gates_or_zeros(log_g, k, ct)
     qc, kc, vc = (to_chunks(x, n, chunk_size) for x in (q, k, v))
     a = to_chunks(log_g, n, chunk_size)  # [B, Hk, N, C]
     g = jnp.cumsum(a, axis=-1)  # inclusive, within the chunk

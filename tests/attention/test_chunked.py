@@ -7,11 +7,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import sympow
 from sympow.attention import reference, xla
-from sympow.attention.chunked import chunked_attention
+from sympow.attention.chunked import chunked_attention, gates_or_zeros
 from sympow.attention.testing import attention_inputs, max_err, rel_err
 from tests.attention.helpers import CASES, rotate
 
@@ -74,3 +75,30 @@ def test_prefill_state_is_in_true_units(x64, rng):
     _, expected = recurrent_form(q, k, v, log_g, 4)
     _, state = sympow.prefill(q, k, v, log_g, p=4, chunk_size=8)
     assert rel_err(state.s, expected.s) < 1e-12 and rel_err(state.z, expected.z) < 1e-12
+
+
+@pytest.mark.parametrize(("impl", "algorithm"), [("xla", "chunked"), ("xla", "attention"),
+                                                 ("pallas", "chunked"), ("pallas", "attention")])
+def test_ungated_zeros_are_not_constants_xla_can_fold(impl, algorithm):
+    """An ungated call's zero gates pass an optimization barrier in every tier and form: XLA's
+    GPU compiler constant-folded the gate sums of plain zeros for minutes (H100, jax 0.11.2)."""
+    q = k = v = jnp.ones((1, 40, 2, 8), jnp.float32)
+
+    def barriers(log_g):  # remat lowers through barriers too: count, gated vs not
+        loss = lambda q, k, v: jnp.sum(sympow.sympow_attention(  # noqa: E731
+            q, k, v, log_g, p=2, chunk_size=16, impl=impl, algorithm=algorithm))
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+        return hlo.count("optimization_barrier")
+
+    assert barriers(None) > barriers(jnp.zeros((1, 40, 2), jnp.float32))
+
+
+def test_gates_or_zeros_casts_given_gates_and_fills_zeros():
+    k = jnp.ones((2, 5, 3, 4), jnp.bfloat16)
+    log_g = -jnp.arange(30, dtype=jnp.bfloat16).reshape(2, 5, 3)
+    given = gates_or_zeros(log_g, k, jnp.float32)
+    assert given.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(log_g, np.float32))
+    zeros = gates_or_zeros(None, k, jnp.float32)
+    assert zeros.shape == (2, 5, 3) and zeros.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(zeros), 0.0)

@@ -24,7 +24,12 @@ import logging
 import jax.numpy as jnp
 
 from sympow.attention.blocked import blocked_attention, default_block_size
-from sympow.attention.chunked import from_chunks, normalize_queries_and_keys, to_chunks
+from sympow.attention.chunked import (
+    from_chunks,
+    gates_or_zeros,
+    normalize_queries_and_keys,
+    to_chunks,
+)
 from sympow.attention.config import AttentionConfig
 from sympow.attention.pallas import vjps
 from sympow.attention.pallas.plan import make_form_plan, padded_width
@@ -55,7 +60,7 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
         return blocked_attention(q, k, v, log_g, p=config.p, block=default_block_size(t))
     q, k, _ = normalize_queries_and_keys(q, k)  # as the chunked driver: |Q_i . K_j| <= 1
     ct = compute_dtype(q, k, v)
-    log_g = jnp.zeros(k.shape[:3], ct) if log_g is None else log_g.astype(ct)
+    log_g = gates_or_zeros(log_g, k, ct)
     qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
     vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
