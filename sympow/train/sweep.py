@@ -6,7 +6,9 @@ per run; see ``configs/sweep_p4.py``). ``run_sweep`` trains each run in
 preset name, e.g. ``sympow_gating_p2_ctx1024``), resuming unfinished ones and skipping finished
 ones, evaluates its held-out loss at the training context, and writes ``sweep.csv`` and
 ``sweep.png``: final loss vs training context, one line per variant ([conformal] Figure 1;
-docs/references.md).
+docs/references.md). A sweep split over several invocations in one workdir (a subset of its
+runs each, e.g. one per device call) accumulates: the table keeps the rows of earlier
+invocations' runs that this one did not run.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _finished(run_dir: Path, num_train_steps: int) -> dict | None:
 def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str] = (),
               evaluate: bool = True, eval_windows: int | None = None,
               progress: bool = True) -> list[dict]:
-    """Trains (or resumes) and evaluates every run of the sweep; returns the table rows.
+    """Trains (or resumes) and evaluates every run of the sweep; returns this invocation's
+    table rows (``sweep.csv`` also keeps earlier invocations' rows of other runs).
 
     Stops early (returning the rows so far) if a run is interrupted (SIGTERM / Ctrl-C):
     rerunning the same command resumes it.
@@ -74,6 +77,7 @@ def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str]
         for item in overrides:
             configlib.apply_override(config, item)
         configlib.validate(config)
+    earlier = _earlier_rows(workdir / CSV_FILE, [run_name(c) for c in runs])
     for i, config in enumerate(runs):
         name = run_name(config)
         run_dir = workdir / name
@@ -95,11 +99,18 @@ def run_sweep(spec: str, workdir: str | os.PathLike, *, overrides: Sequence[str]
             "context": int(config.data.context_size), "final_loss": summary["final_loss"],
             "heldout_loss": heldout, "steps": summary["steps"],
             "tokens_per_sec": summary.get("tokens_per_sec", math.nan), "workdir": str(run_dir)})
-        write_csv(workdir / CSV_FILE, rows)
+        write_csv(workdir / CSV_FILE, earlier + rows)
     if rows:
-        write_csv(workdir / CSV_FILE, rows)
-        plot_sweep(workdir / PNG_FILE, rows, title=f"sweep {Path(spec.split(':')[0]).stem}")
+        plot_sweep(workdir / PNG_FILE, earlier + rows,
+                   title=f"sweep {Path(spec.split(':')[0]).stem}")
     return rows
+
+
+def _earlier_rows(table: Path, runs: list[str]) -> list[dict]:
+    """The rows of an existing ``sweep.csv`` for runs other than ``runs`` (folder names)."""
+    if not table.is_file():
+        return []
+    return [row for row in read_csv(table) if Path(row["workdir"]).name not in runs]
 
 
 def write_csv(path: str | os.PathLike, rows: list[dict]) -> Path:

@@ -63,3 +63,16 @@ def test_invalid_overrides_stop_the_sweep_before_any_run(tmp_path, override, mat
     with pytest.raises(ValueError, match=match):
         run_sweep(spec, tmp_path, overrides=[override], progress=False)
     assert list(tmp_path.iterdir()) == []  # no run folder, nothing trained
+
+
+def test_sweep_split_over_invocations_accumulates_its_table(tmp_path):
+    """A part run as subsets in one workdir (one per device call) keeps every subset's rows;
+    a subset run again replaces its own rows instead of duplicating them."""
+    base = f"{CONFIGS / 'sweep_p2.py'}:runlocal,variants=softmax,steps=2"
+    run_sweep(f"{base},contexts=64", tmp_path, eval_windows=1, progress=False)
+    second = run_sweep(f"{base},contexts=128", tmp_path, eval_windows=1, progress=False)
+    assert [r["context"] for r in second] == [128]
+    table = read_csv(tmp_path / CSV_FILE)
+    assert sorted(r["context"] for r in table) == [64, 128]
+    run_sweep(f"{base},contexts=128", tmp_path, eval_windows=1, progress=False)
+    assert sorted(r["context"] for r in read_csv(tmp_path / CSV_FILE)) == [64, 128]
