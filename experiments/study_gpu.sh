@@ -13,7 +13,9 @@
 # not the checkpoints. Needs the store in $DATA (default data/linux_small, built as in
 # docs/experiments.md) and, where ml_collections is missing, its wheel in .whl/ (carried).
 # Extra sweep-arg items for every part in $SWEEP_EXTRA (e.g. ',steps=200'; the CPU test
-# uses ',runlocal,steps=2').
+# uses ',runlocal,steps=2'). PACK=1 writes the same files as one OUT/study_files.tar.gz
+# instead (the device tool returns files at most a few folders deep). The files are
+# collected on every exit, a failed part's included.
 set -euo pipefail
 out=${1:?usage: study_gpu.sh OUT PART [PART ...]}
 shift
@@ -30,14 +32,27 @@ fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out" "$runs"
 out=$(cd "$out" && pwd)
+# The small files of every run (not the checkpoints), paths kept; also when a part fails.
+collect() {
+  local status=$?
+  (cd "$runs" && find . -name checkpoints -prune -o -type f \
+    \( -name '*.json' -o -name '*.jsonl' -o -name '*.csv' -o -name '*.png' \) -print0 |
+    if [ "${PACK:-0}" = 1 ]; then
+      tar czf "$out/study_files.tar.gz" --null -T -
+    else
+      xargs -0 -r cp --parents -t "$out"
+    fi)
+  exit "$status"
+}
+trap collect EXIT
 
 for part in "$@"; do
   start=$(date +%s)
   if [ "$part" = contextwise ]; then
     ctx=${CONTEXTWISE_CONTEXT:-1024}
-    trained=("$runs/${CONTEXTWISE_FROM:-contexts}"/*_ctx"$ctx")
-    main=$(printf '%s\n' "${trained[@]}" | grep '/conformal_' | head -1)
-    others=$(printf '%s\n' "${trained[@]}" | grep -v '/conformal_' | paste -sd, -)
+    trained=$(shopt -s nullglob; printf '%s\n' "$runs/${CONTEXTWISE_FROM:-contexts}"/*_ctx"$ctx")
+    main=$(grep '/conformal_' <<< "$trained" | head -1 || true)
+    others=$(grep -v '/conformal_' <<< "$trained" | paste -sd, - || true)
     [ -n "$main" ] || { echo "study_gpu.sh: no conformal run at context $ctx" >&2; exit 2; }
     "$python" experiments/evaluate.py --workdir "$main" ${others:+--compare "$others"} \
       --length "${CONTEXTWISE_LENGTH:-16384}" --num_windows "${CONTEXTWISE_WINDOWS:-64}" \
@@ -49,7 +64,3 @@ for part in "$@"; do
   echo "study part $part: $(( $(date +%s) - start )) s"
 done
 
-# The small files of every run (not the checkpoints), paths kept.
-(cd "$runs" && find . -name checkpoints -prune -o -type f \
-  \( -name '*.json' -o -name '*.jsonl' -o -name '*.csv' -o -name '*.png' \) -print0 |
-  xargs -0 -r cp --parents -t "$out")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
+from pathlib import Path
 
 from sympow.data import AUSTEN_PATH
 from tests.train.helpers import CONFIGS
@@ -44,3 +46,17 @@ def test_bad_calls_fail_with_a_reason(tmp_path):
     assert no_part.returncode == 2 and "name at least one part" in no_part.stderr
     no_data = run_script(tmp_path / "out", tmp_path / "runs", "clip", DATA=str(tmp_path))
     assert no_data.returncode == 2 and "holds no train.zarr" in no_data.stderr
+
+
+def test_packed_files_come_back_when_a_later_part_fails(tmp_path):
+    """PACK=1: one tarball of the run files; a part that fails (here contextwise with no
+    conformal run at the context) still returns what the parts before it wrote."""
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    done = run_script(out, runs, "clip", "contextwise", PACK="1", CONTEXTWISE_FROM="clip",
+                      CONTEXTWISE_CONTEXT="32")
+    assert done.returncode == 2 and "no conformal run at context 32" in done.stderr
+    assert [p.name for p in out.iterdir()] == ["study_files.tar.gz"]
+    with tarfile.open(out / "study_files.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        assert not [n for n in tar.getnames() if "checkpoints" in n]
+    assert {"config.json", "metrics.jsonl", "summary.json", "sweep.csv"} <= names, names
