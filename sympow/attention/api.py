@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 
 from sympow.attention import implementations
 from sympow.attention.config import AttentionConfig
+from sympow.attention.pallas import decode_kernel
 from sympow.attention.reference import (
     Keys,
     LogGates,
@@ -202,6 +203,9 @@ def prefill(q: Queries, k: Keys, v: Values, log_g: LogGates | None = None, *, p:
     return _prefill(config, q, k, v, log_g)
 
 
+DECODE_IMPLS = ("pallas", "reference")
+
+
 def decode_step(
     state: SympowState,
     q: Float[Array, "B Hq D"],
@@ -210,9 +214,14 @@ def decode_step(
     log_g: Float[Array, "B Hk"] | None = None,
     *,
     p: int = 2,
+    impl: str | None = None,
 ) -> tuple[SympowState, Float[Array, "B Hq E"]]:
     """Advance the recurrent state by one token in O(F E), independent of the context length.
 
+    impl: 'pallas' (the update and readout fused in one kernel that reads the state once and
+    writes it in place; `pallas/decode_kernel.py`; the interpreter off GPU), 'reference'
+    (`reference.recurrent_step`, jnp operations), or None: 'reference' (the kernel has not
+    yet run on a GPU: it becomes the GPU default once checked and timed there).
     Returns (new state, y [B, Hq, E] in v's dtype).
     """
     validate_inputs(q[:, None], k[:, None], v[:, None],
@@ -221,10 +230,15 @@ def decode_step(
     if state.s.shape != (k.shape[0], k.shape[1], f, v.shape[-1]):
         raise ValueError(f"state.s must be [B, Hk, F, E] = [{k.shape[0]}, {k.shape[1]}, F, "
                          f"{v.shape[-1]}], got {tuple(state.s.shape)}")
-    state, y = _decode_step(p, state, q, k, v, log_g)
+    impl = "reference" if impl is None else impl
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl must be one of {DECODE_IMPLS} or None, got impl={impl!r}")
+    state, y = _decode_step(p, impl, jax.default_backend() != "gpu", state, q, k, v, log_g)
     return state, y.astype(v.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _decode_step(p, state, q, k, v, log_g):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _decode_step(p, impl, interpret, state, q, k, v, log_g):
+    if impl == "pallas":
+        return decode_kernel.decode_step(state, q, k, v, log_g, p, interpret=interpret)
     return recurrent_step(state, q, k, v, log_g, p)

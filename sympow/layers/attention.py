@@ -51,6 +51,9 @@ from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angl
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
            "KVCache", "GATE_BIAS_INIT", "check_gate_bias"]
 
+# A layer's impl (that of sympow_attention) -> decode_step's: kernels stay kernels.
+DECODE_IMPL = {"pallas": "pallas", "xla": "reference", "reference": "reference"}
+
 ROTARY_KINDS = ("none", "fixed", "learned")
 GATE_BIAS_INIT = 5.0  # initial b_gamma; None (no bias) is the papers' gate
 
@@ -238,7 +241,8 @@ class SympowAttention(_Attention):
 
     Extra args over the shared ones (see `_Attention`: gating, gate_bias, rotary, ...): p
     (even power), chunk_size, impl and algorithm (passed to `sympow.sympow_attention` and
-    `sympow.prefill`; None = choose).
+    `sympow.prefill`; None = choose). Decoding takes impl too: 'pallas' the fused step
+    kernel, otherwise the jnp step (`sympow.decode_step`).
     conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
     q or k cancels in the normalized attention.
     """
@@ -281,7 +285,8 @@ class SympowAttention(_Attention):
         """One token at index `position`, O(F E) per head whatever the context length."""
         q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
         state, y = decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
-                                      None if log_g is None else log_g[:, 0], p=self.p)
+                               None if log_g is None else log_g[:, 0], p=self.p,
+                               impl=None if self.impl is None else DECODE_IMPL[self.impl])
         return self.merge_heads(y[:, None]), SympowCache(state, mu)
 
     def init_cache(self, batch: int, max_length: int | None = None) -> SympowCache:

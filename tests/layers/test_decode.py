@@ -25,7 +25,8 @@ from tests.layers.helpers import (
 
 
 @pytest.mark.parametrize("variant, overrides", [(v, {}) for v in VARIANTS] + [
-    ("softmax", dict(rotary="learned")), ("conformal", dict(gate_bias=None))])
+    ("softmax", dict(rotary="learned")), ("conformal", dict(gate_bias=None)),
+    ("conformal", dict(impl="pallas", d_model=64))])  # kernels (interpreter), fused decode: E = 16
 def test_prefill_then_decode_matches_forward_fp32(variant, overrides):
     """p = 2 in float32; the prompt (5) and T (13) are not multiples of chunk_size (4)."""
     model = randomized(tiny(variant, **overrides))

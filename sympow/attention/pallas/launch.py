@@ -32,11 +32,11 @@ def ignore_triton_deprecation() -> None:
 
 
 def launch(kernel, *, plan, name: str, grid, in_specs, out_specs, out_shape, warps: int,
-           stages: int | None = None):
+           stages: int | None = None, aliases: dict[int, int] | None = None):
     """pl.pallas_call with the tier's conventions (Triton on GPU, interpreter elsewhere).
 
     plan: any object with `interpret` and `stages` (a Plan or a PrefixPlan); `stages`
-    overrides plan.stages.
+    overrides plan.stages. aliases: {input index: output index} written in place.
     """
     interpret, params = plan.interpret, None
     if not interpret:
@@ -46,7 +46,7 @@ def launch(kernel, *, plan, name: str, grid, in_specs, out_specs, out_shape, war
         params = plt.CompilerParams(num_warps=warps, num_stages=stages or plan.stages)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                           out_specs=out_specs, interpret=interpret, name=name,
-                          compiler_params=params)
+                          compiler_params=params, input_output_aliases=aliases or {})
 
 
 def idiv(a, b):
