@@ -19,7 +19,9 @@ Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same m
 bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
 tokens, timed after a compiling call; ms/token = (generate - prefill) / new_tokens (one step
 of the whole batch), tokens/s = batch x new_tokens / (generate - prefill). Reported with the
-prefill time, the cache bytes and the peak memory.
+prefill time, the cache bytes and the peak memory. --decode_impls=reference,pallas times each
+sympow case with the jnp decoding step and with the fused kernel (the model's impl='pallas',
+whose prefill is the GPU's default kernels too).
 
 Forward cases are `variant:p:T`: inference wall time of the model's forward pass (logits of
 --tokens tokens, T-token windows) at bf16 parameters, the median of --reps calls after a
@@ -45,6 +47,9 @@ from absl import app, flags  # noqa: E402
 _TRAIN = flags.DEFINE_list("train", ["softmax:0:4096", "conformal:2:4096"],
                            "training cases variant:p:context[:microbatches]")
 _DECODE = flags.DEFINE_list("decode", [], "decode cases variant:p:prompt[:batch]")
+_DECODE_IMPLS = flags.DEFINE_list("decode_impls", ["reference"],
+                                  "decode_step impls to time per sympow decode case: "
+                                  "reference (jnp step), pallas (fused kernel)")
 _FORWARD = flags.DEFINE_list("forward", [], "inference forward cases variant:p:T")
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls per forward case (median)")
 _STEPS = flags.DEFINE_integer("steps", 8, "training steps per case")
@@ -54,6 +59,8 @@ _SIZE = flags.DEFINE_string("size", "small", "model size of sympow.layers.SIZES"
 _OUT = flags.DEFINE_string("out", None, "directory for model_benchmark.json")
 _TIMEOUT = flags.DEFINE_integer("timeout", 300, "seconds per case process")
 _CASE = flags.DEFINE_string("case", None, "internal: kind:variant:p:T[:n] (prints JSON)")
+_DECODE_IMPL = flags.DEFINE_enum("decode_impl", "reference", ["reference", "pallas"],
+                                 "internal: the decode_step impl of this decode case")
 KINDS = {"train": "microbatches", "decode": "batch", "forward": None}  # kind: 4th field
 
 
@@ -179,7 +186,9 @@ def decode_case(case: dict) -> dict:
     from sympow.layers import GPT, generate
 
     t, n, batch = case["t"], _NEW_TOKENS.value, case["batch"]
-    config = gpt_config(case["variant"], case["p"], param_dtype="bfloat16", max_length=t + n)
+    fused = case["variant"] != "softmax" and _DECODE_IMPL.value == "pallas"
+    config = gpt_config(case["variant"], case["p"], param_dtype="bfloat16", max_length=t + n,
+                        **({"impl": "pallas"} if fused else {}))
     model = GPT(config, rngs=nnx.Rngs(0))
     prompt = jnp.asarray(_take(corpus_windows(t)[0], 0, batch))  # [batch, t], EOT first
     graphdef, weights = nnx.split(model)
@@ -201,6 +210,7 @@ def decode_case(case: dict) -> dict:
     generate_s, tokens = timed(lambda: generate(model, prompt, n))
     decode_s = generate_s - prefill_s
     return {**case, "kind": "decode", "new_tokens": n,
+            "decode_impl": "kv cache" if case["variant"] == "softmax" else _DECODE_IMPL.value,
             "algorithm": chosen_algorithm(config, t, need_state=True),
             "prefill_ms": round(prefill_s * 1e3, 1), "generate_ms": round(generate_s * 1e3, 1),
             "ms_per_token": round(decode_s / n * 1e3, 3),
@@ -239,11 +249,11 @@ def forward_case(case: dict) -> dict:
 CASES = {"train": train_case, "decode": decode_case, "forward": forward_case}
 
 
-def run_isolated(kind: str, spec: str) -> dict:
+def run_isolated(kind: str, spec: str, decode_impl: str = "reference") -> dict:
     """One case in its own process: its JSON line, or its error."""
     command = [sys.executable, __file__, f"--case={kind}:{spec}", f"--steps={_STEPS.value}",
                f"--tokens={_TOKENS.value}", f"--new_tokens={_NEW_TOKENS.value}",
-               f"--size={_SIZE.value}", f"--reps={_REPS.value}"]
+               f"--size={_SIZE.value}", f"--reps={_REPS.value}", f"--decode_impl={decode_impl}"]
     case = {**parse_case(spec, kind), "kind": kind}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT.value)
@@ -260,7 +270,7 @@ def report(results: list[dict]) -> None:
     print(f"{'case':<26}{'alg':>10}{'tok/s or ms/tok':>17}{'peak GiB':>10}  losses / note")
     for r in results:
         name = f"{r['kind']} {r['variant']} p{r['p']} T{r['t']}" + (
-            f" B{r['batch']}" if r["kind"] == "decode" else "")
+            f" B{r['batch']} {r.get('decode_impl', '')}" if r["kind"] == "decode" else "")
         if "error" in r:
             print(f"{name:<26}{'':>10}{'':>17}{'':>10}  ERROR {r['error'][:80]}")
             continue
@@ -291,10 +301,15 @@ def main(argv):
     for kind, specs in cases:
         for spec in specs:
             parse_case(spec, kind)  # fail before any run
+    bad = sorted(set(_DECODE_IMPLS.value) - {"reference", "pallas"})
+    if bad or not _DECODE_IMPLS.value:
+        raise ValueError(f"--decode_impls: each of reference, pallas, got {_DECODE_IMPLS.value}")
     for kind, specs in cases:
         for spec in specs:
-            results.append(run_isolated(kind, spec))
-            print(json.dumps(results[-1]), flush=True)
+            sympow_decode = kind == "decode" and not spec.startswith("softmax:")
+            for impl in _DECODE_IMPLS.value if sympow_decode else ["reference"]:
+                results.append(run_isolated(kind, spec, impl))
+                print(json.dumps(results[-1]), flush=True)
     report(results)
     if _OUT.value:
         out = Path(_OUT.value)

@@ -19,13 +19,16 @@ def test_train_decode_and_forward_cases(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--size=micro", "--train=softmax:0:64", "--steps=3",
          "--tokens=256", "--decode=conformal:2:64:2", "--new_tokens=4",
+         "--decode_impls=reference,pallas",
          "--forward=conformal:2:64", "--reps=2", f"--out={tmp_path}", "--timeout=240"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "model_benchmark.json").read_text())
-    assert [r["kind"] for r in results] == ["train", "decode", "forward"]
+    assert [r["kind"] for r in results] == ["train", "decode", "decode", "forward"]
     assert not [r for r in results if "error" in r], results
-    train, decode, forward = results
+    train, decode, fused, forward = results
+    assert (decode["decode_impl"], fused["decode_impl"]) == ("reference", "pallas")
+    assert fused["tokens_shape"] == decode["tokens_shape"]
     assert train["rows"] == 4 and len(train["losses"]) == 3 and train["finite"]
     assert decode["batch"] == 2 and decode["tokens_shape"] == [2, 68]
     # tokens/s is batch x new tokens over the decode time: (generate - prefill) / new tokens
@@ -42,3 +45,6 @@ def test_bad_case_specs_fail_before_any_run(tmp_path):
         done = subprocess.run([sys.executable, str(SCRIPT), "--train=", f"{flag}={spec}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and f"case '{spec}'" in done.stderr, (flag, done.stderr)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--train=", "--decode_impls=xla"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--decode_impls: each of reference, pallas" in done.stderr
