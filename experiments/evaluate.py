@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # an uninstalled s
 
 from absl import app, flags  # noqa: E402
 
+from sympow.train.compilation import define_cache_flag  # noqa: E402
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory")
 _STEPS = flags.DEFINE_string("steps", "latest", "'latest', 'all' or comma-separated steps")
 _LENGTH = flags.DEFINE_integer("length", None, "window length (default: config.eval.length)",
@@ -34,6 +36,7 @@ _COMPARE = flags.DEFINE_list("compare", [], "more training workdirs to overlay (
 _DATA_PATH = flags.DEFINE_string("data_path", None, "held-out store (default: the run's)")
 _OUT = flags.DEFINE_string("out", None, "output directory (default: --workdir)")
 _TITLE = flags.DEFINE_string("title", None, "plot title")
+_COMPILATION_CACHE = define_cache_flag()
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -42,6 +45,9 @@ def main(argv):
     from sympow.train.metrics import setup_logging
 
     setup_logging()
+    from sympow.train.compilation import enable_compilation_cache
+
+    enable_compilation_cache(_COMPILATION_CACHE.value)
     from sympow.train import evaluation
 
     kwargs = dict(length=_LENGTH.value, num_windows=_NUM_WINDOWS.value,

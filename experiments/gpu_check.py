@@ -30,10 +30,11 @@ _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
-_ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge", "precision"],
+_ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge", "precision", "decode"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
-                          "testing.PRECISION_KINDS")
+                          "testing.PRECISION_KINDS; decode: the fused decoding step "
+                          "against the specification (DECODE_CASES)")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -56,6 +57,10 @@ CASES = [
     (dict(t=512, d=256, e=256, hq=2, hk=2, b=1), ("float32", "bfloat16"), ("attention",)),
 ]
 QUICK = [0, 2, 4, 6, 7]
+# --only=decode: (b, hq, hk, d, e, p) of decode_step(impl='pallas'), both dtypes, gated and
+# not: GPT-2 small's heads at B = 1 and 16, grouped heads, R padded, p = 4.
+DECODE_CASES = [(1, 12, 12, 64, 64, 2), (16, 12, 12, 64, 64, 2), (2, 4, 2, 16, 16, 2),
+                (1, 3, 1, 8, 32, 2), (1, 12, 12, 32, 64, 4), (4, 8, 8, 16, 128, 4)]
 ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
 # (gate history, T) of --only=precision: issue 11's three histories and 65,536 ordinary gates.
 PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 900),
@@ -81,6 +86,12 @@ def check_precision(testing, impl, history: str, t: int):
         history, impl, chunk=128 if impl[1] == "chunked" else None, t=t)]
 
 
+def check_decode(testing, rng, **case):
+    """Rows (output, err, note, ok) of the fused decoding step against the specification."""
+    return [(n, e, f"tol {tol:.0e}", ok)
+            for n, e, tol, ok in testing.check_decode(rng, "pallas", **case)]
+
+
 def main(argv):
     del argv
     import jax
@@ -102,8 +113,6 @@ def main(argv):
     jobs = [((backend, algorithm), testing.Case(**kw), dt, "random")
             for kw, dts, algorithms in selected for dt in dts
             for backend, algorithm in rows if algorithm in algorithms]
-    if _CASES.value:
-        jobs = [job for job in jobs if _CASES.value in job[1].name]
     if _ONLY.value == "edge":
         jobs = [job for job in jobs if job[1].t == 1]
     if _ONLY.value != "random":
@@ -117,6 +126,15 @@ def main(argv):
         checks = [(impl, f"{history}_t{t}", "float32", "precision",
                    functools.partial(check_precision, testing, impl, history, t))
                   for impl in rows for history, t in PRECISION]
+    if _ONLY.value == "decode":
+        checks = [(("pallas", "decode"), f"b{b}_h{hq}x{hk}_d{d}_e{e}_p{p}"
+                   f"{'_gated' if gated else ''}", dtype, "decode",
+                   functools.partial(check_decode, testing, rng, dtype=dtype, gated=gated,
+                                     **dict(zip("b hq hk d e p".split(), shape, strict=True))))
+                  for shape in DECODE_CASES for b, hq, hk, d, e, p in [shape]
+                  for dtype in ("float32", "bfloat16") for gated in (True, False)]
+    if _CASES.value:
+        checks = [check for check in checks if _CASES.value in check[1]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for impl, name, dtype, kind, run in checks:

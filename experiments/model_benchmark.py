@@ -6,6 +6,8 @@
       --decode=conformal:2:1024,conformal:2:65536:16,softmax:0:65536:16 --out=$OUT
   PYTHONPATH=. python3 experiments/model_benchmark.py --train= \
       --forward=sympow:2:16384,conformal:2:16384 --out=$OUT    # [conformal] appendix A.5
+  PYTHONPATH=. python3 experiments/model_benchmark.py --train= --startup=conformal:2:4096 \
+      --out=$OUT
 
 Training cases are `variant:p:context` (optionally `:microbatches`): GPT-2 small of that
 variant (the papers' settings: bf16 compute, float32 parameters, Adam 6e-4), --tokens tokens
@@ -28,6 +30,14 @@ Forward cases are `variant:p:T`: inference wall time of the model's forward pass
 compiling one: [conformal] appendix A.5 reports conformal-sympow's at 16,384 as 1.06x
 sympow's.
 
+Start-up cases are `variant:p:context`: `experiments/train.py` launched as a user launches it
+(--startup_config, default GPT-2 small's configs/gpt2_context4096.py, at that context and
+--tokens tokens a step, 2 steps, the embedded corpus), twice with one fresh compilation cache:
+"cold" (nothing cached: parameters built, the step compiled) and "warm" (a relaunch reads the
+compiled programs). Reported: seconds from the launch to the first finished step (its line in
+metrics.jsonl) and to the process's exit. The CPU demo's:
+`--startup=conformal:2:256 --startup_config=configs/quickstart.py:bytes --tokens=1024`.
+
 Each case runs in its own process, so each peak memory is that case's and a case that runs
 out of memory is recorded with its error instead of ending the run. Writes
 model_benchmark.json under --out and prints one table.
@@ -37,6 +47,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +62,10 @@ _DECODE_IMPLS = flags.DEFINE_list("decode_impls", ["reference"],
                                   "decode_step impls to time per sympow decode case: "
                                   "reference (jnp step), pallas (fused kernel)")
 _FORWARD = flags.DEFINE_list("forward", [], "inference forward cases variant:p:T")
+_STARTUP = flags.DEFINE_list("startup", [], "start-up cases variant:p:context (train.py)")
+_STARTUP_CONFIG = flags.DEFINE_string("startup_config", "configs/gpt2_context4096.py",
+                                      "config file[:arg] of the start-up cases (the case "
+                                      "adds variant, p and steps=2 to its arg)")
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls per forward case (median)")
 _STEPS = flags.DEFINE_integer("steps", 8, "training steps per case")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "tokens per training step")
@@ -59,9 +74,13 @@ _SIZE = flags.DEFINE_string("size", "small", "model size of sympow.layers.SIZES"
 _OUT = flags.DEFINE_string("out", None, "directory for model_benchmark.json")
 _TIMEOUT = flags.DEFINE_integer("timeout", 300, "seconds per case process")
 _CASE = flags.DEFINE_string("case", None, "internal: kind:variant:p:T[:n] (prints JSON)")
+_DECODE_UNROLL = flags.DEFINE_integer("decode_unroll", 1, "decode steps per iteration of "
+                                      "generate's device loop (lax.scan unroll)", lower_bound=1)
 _DECODE_IMPL = flags.DEFINE_enum("decode_impl", "reference", ["reference", "pallas"],
                                  "internal: the decode_step impl of this decode case")
-KINDS = {"train": "microbatches", "decode": "batch", "forward": None}  # kind: 4th field
+KINDS = {"train": "microbatches", "decode": "batch", "forward": None,
+         "startup": None}  # kind: its 4th field
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_case(spec: str, kind: str = "train") -> dict:
@@ -178,6 +197,35 @@ def train_case(case: dict) -> dict:
 
 
 
+NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def kernel_launches(hlo: str) -> int:
+    """Instructions of the ENTRY computation of an optimized HLO module that run on the
+    device (fusions, library calls, copies...): every one but parameters, constants,
+    tuples and bitcasts. On GPU, each is (about) one kernel launch."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    count = 0
+    for line in entry.splitlines()[1:]:
+        _, eq, rest = line.partition(" = ")
+        if not eq:
+            continue
+        rest = rest.strip()
+        if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0:
+                    rest = rest[i + 1:]
+                    break
+        else:
+            rest = rest.partition(" ")[2]
+        opcode = rest.strip().partition("(")[0]
+        count += opcode not in NO_LAUNCH
+    return count
+
+
 def decode_case(case: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -195,8 +243,7 @@ def decode_case(case: dict) -> dict:
 
     @jax.jit
     def prefill(weights, prompt):
-        logits, cache = nnx.merge(graphdef, weights).prefill(prompt, max_length=t + n)
-        return logits[:, -1], cache
+        return nnx.merge(graphdef, weights).prefill(prompt, max_length=t + n, last_only=True)
 
     def timed(fn):
         jax.block_until_ready(fn())  # compiles
@@ -206,11 +253,15 @@ def decode_case(case: dict) -> dict:
 
     prefill_s, (_, cache) = timed(lambda: prefill(weights, prompt))
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.layers))
+    cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
     del cache
-    generate_s, tokens = timed(lambda: generate(model, prompt, n))
+    generate_s, tokens = timed(lambda: generate(model, prompt, n, unroll=_DECODE_UNROLL.value))
     decode_s = generate_s - prefill_s
+    step = jax.jit(lambda w, token, cache: nnx.merge(graphdef, w).decode_step(token, cache))
+    launches = kernel_launches(step.lower(weights, tokens[:, -1], cache_spec).compile().as_text())
     return {**case, "kind": "decode", "new_tokens": n,
             "decode_impl": "kv cache" if case["variant"] == "softmax" else _DECODE_IMPL.value,
+            "unroll": _DECODE_UNROLL.value, "launches_per_step": launches,
             "algorithm": chosen_algorithm(config, t, need_state=True),
             "prefill_ms": round(prefill_s * 1e3, 1), "generate_ms": round(generate_s * 1e3, 1),
             "ms_per_token": round(decode_s / n * 1e3, 3),
@@ -246,6 +297,61 @@ def forward_case(case: dict) -> dict:
             "tokens_per_s": round(rows * t / forward_s), "peak_gib": peak_gib()}
 
 
+def startup_launch(case: dict, workdir: Path, cache: Path) -> dict:
+    """One launch of experiments/train.py: seconds to its first metrics line and to exit."""
+    config, _, arg = _STARTUP_CONFIG.value.partition(":")
+    p = "" if case["variant"] == "softmax" else f"p={case['p']}"  # softmax takes no p
+    arg = ",".join(x for x in (arg, case["variant"], p, "steps=2") if x)
+    t = case["t"]
+    command = [sys.executable, str(ROOT / "experiments" / "train.py"),
+               f"--config={ROOT / config}:{arg}", f"--workdir={workdir}", "--noprogress",
+               f"--compilation_cache={cache}", f"--config.data.context_size={t}",
+               f"--config.data.docs_per_batch={max(1, _TOKENS.value // t)}", "--config.log_every=1"]
+    metrics = workdir / "metrics.jsonl"
+    start = time.perf_counter()
+    first = None
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None and time.perf_counter() - start < _TIMEOUT.value:
+            if first is None and metrics.exists() and metrics.read_text().strip():
+                first = time.perf_counter() - start
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            return {"error": f"timeout after {_TIMEOUT.value} s"}
+        total = time.perf_counter() - start
+        if first is None and metrics.exists() and metrics.read_text().strip():
+            first = total  # the step ended within the last poll
+        if proc.returncode != 0 or first is None:
+            log.seek(0)
+            return {"error": " | ".join(log.read().strip().splitlines()[-3:])[-600:]}
+    return {"first_step_s": round(first, 1), "exit_s": round(total, 1)}
+
+
+def _device_name() -> str:
+    """The GPU's name from nvidia-smi, else 'cpu': the start-up cases must not initialize a
+    backend in this process (it would hold the GPU's memory the launched run needs)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    return names[0].strip() or "cpu"
+
+
+def startup_case(case: dict) -> dict:
+    """Launch-to-first-step, cold and warm (module docstring)."""
+    from importlib.metadata import version
+
+    with tempfile.TemporaryDirectory(prefix="sympow-startup-") as tmp:
+        cache = Path(tmp) / "cache"
+        runs = {name: startup_launch(case, Path(tmp) / name, cache) for name in ("cold", "warm")}
+    return {**case, "kind": "startup", "config": _STARTUP_CONFIG.value,
+            "tokens": max(1, _TOKENS.value // case["t"]) * case["t"], **runs,
+            "algorithm": "", "peak_gib": None, "device": _device_name(),
+            "jax": version("jax")}
+
+
 CASES = {"train": train_case, "decode": decode_case, "forward": forward_case}
 
 
@@ -253,7 +359,8 @@ def run_isolated(kind: str, spec: str, decode_impl: str = "reference") -> dict:
     """One case in its own process: its JSON line, or its error."""
     command = [sys.executable, __file__, f"--case={kind}:{spec}", f"--steps={_STEPS.value}",
                f"--tokens={_TOKENS.value}", f"--new_tokens={_NEW_TOKENS.value}",
-               f"--size={_SIZE.value}", f"--reps={_REPS.value}", f"--decode_impl={decode_impl}"]
+               f"--size={_SIZE.value}", f"--reps={_REPS.value}", f"--decode_impl={decode_impl}",
+               f"--decode_unroll={_DECODE_UNROLL.value}"]
     case = {**parse_case(spec, kind), "kind": kind}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT.value)
@@ -274,13 +381,16 @@ def report(results: list[dict]) -> None:
         if "error" in r:
             print(f"{name:<26}{'':>10}{'':>17}{'':>10}  ERROR {r['error'][:80]}")
             continue
-        value = r["ms_per_token"] if r["kind"] == "decode" else r["tokens_per_s"]
+        value = {"decode": "ms_per_token", "startup": None}.get(r["kind"], "tokens_per_s")
+        value = "" if value is None else r[value]
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         if r["kind"] == "train":
             note = f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
         elif r["kind"] == "decode":
             note = (f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB, "
-                    f"{r['tokens_per_s']} tok/s")
+                    f"{r['tokens_per_s']} tok/s, {r['launches_per_step']} launches/step")
+        elif r["kind"] == "startup":
+            note = f"launch to first step: cold {r['cold']}, warm {r['warm']}"
         else:
             note = f"forward {r['forward_ms']} ms"
         print(f"{name:<26}{r['algorithm']:>10}{value:>17}{peak:>10}  {note}")
@@ -297,7 +407,8 @@ def main(argv):
         print(json.dumps(result))
         return
     results = []
-    cases = (("train", _TRAIN.value), ("decode", _DECODE.value), ("forward", _FORWARD.value))
+    cases = (("train", _TRAIN.value), ("decode", _DECODE.value), ("forward", _FORWARD.value),
+             ("startup", _STARTUP.value))
     for kind, specs in cases:
         for spec in specs:
             parse_case(spec, kind)  # fail before any run
@@ -308,7 +419,8 @@ def main(argv):
         for spec in specs:
             sympow_decode = kind == "decode" and not spec.startswith("softmax:")
             for impl in _DECODE_IMPLS.value if sympow_decode else ["reference"]:
-                results.append(run_isolated(kind, spec, impl))
+                results.append(startup_case(parse_case(spec, kind)) if kind == "startup"
+                               else run_isolated(kind, spec, impl))
                 print(json.dumps(results[-1]), flush=True)
     report(results)
     if _OUT.value:

@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # configs/ and an 
 
 from absl import app, flags  # noqa: E402
 
+from sympow.train.compilation import define_cache_flag  # noqa: E402
+
 _SWEEP = flags.DEFINE_string("sweep", None, "sweep file configs/<name>.py[:arg] with get_sweep")
 _WORKDIR = flags.DEFINE_string("workdir", None, "sweep directory (one subfolder per run)")
 _SET = flags.DEFINE_multi_string("set", [], "key=value override for every run")
@@ -31,6 +33,7 @@ _EVAL_WINDOWS = flags.DEFINE_integer("eval_windows", None, "held-out windows per
 _EVALUATE = flags.DEFINE_bool("evaluate", True, "evaluate held-out loss of every run")
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize()")
 _PROGRESS = flags.DEFINE_bool("progress", True, "show progress bars")
+_COMPILATION_CACHE = define_cache_flag()
 flags.mark_flags_as_required(["sweep", "workdir"])
 
 
@@ -39,6 +42,9 @@ def main(argv):
     from sympow.train.metrics import setup_logging
 
     setup_logging()
+    from sympow.train.compilation import enable_compilation_cache
+
+    enable_compilation_cache(_COMPILATION_CACHE.value)
     import jax
 
     if _MULTIHOST.value:

@@ -13,12 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # configs/ and an 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from sympow.train.compilation import define_cache_flag  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:arg]",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, config)")
 _MULTIHOST = flags.DEFINE_bool("multihost", False,
                                "call jax.distributed.initialize() (multi-process launch)")
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+_COMPILATION_CACHE = define_cache_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
@@ -29,6 +32,9 @@ def main(argv):
     from sympow.train.metrics import setup_logging
 
     setup_logging()
+    from sympow.train.compilation import enable_compilation_cache
+
+    enable_compilation_cache(_COMPILATION_CACHE.value)
     import jax
 
     if _MULTIHOST.value:

@@ -1,13 +1,24 @@
-"""Shared fixtures: fresh random inputs and scoped float64 mode."""
+"""Shared fixtures: fresh random inputs and scoped float64 mode; the scripts' compilation
+cache in a temporary directory."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 
 from sympow.attention.testing import float64_enabled
+from sympow.train.compilation import ENV_VAR
+
+# The command-line tools cache compiled programs in ~/.cache by default: the scripts the tests
+# launch use a directory of this session instead, removed at exit.
+os.environ[ENV_VAR] = tempfile.mkdtemp(prefix="sympow-test-compilation-cache-")
+atexit.register(shutil.rmtree, os.environ[ENV_VAR], ignore_errors=True)
 
 
 @pytest.fixture

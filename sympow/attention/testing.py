@@ -20,7 +20,8 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from sympow.attention.api import sympow_attention
+from sympow.attention import reference
+from sympow.attention.api import decode_step, sympow_attention
 
 K_BF16 = 2.5  # test may be at most this many times further from gold than ref is (L2)
 # ... plus this fraction of ||gold||: 2^-8, one bf16 ulp, since every output is stored in
@@ -276,3 +277,53 @@ def check_precision(kind: str, impl: Impl, *, p: int = 2, chunk: int | None = No
         rows.append((name, err, bound, bool(np.all(np.isfinite(np.asarray(test[name]))))
                      and err <= bound))
     return rows
+
+
+# Decoding: the fused step against the specification (`reference.recurrent_step`) over
+# chained steps from a prompt's state. The state is float32 whatever the inputs' dtype, so
+# it must agree to float32 rounding per its largest entry (entries near zero are
+# cancellations of larger terms); y is rounded to the inputs' dtype.
+TOL_DECODE_STATE = 2e-6
+TOL_DECODE_Y = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def decode_prompt_state(rng, *, b: int, hk: int, d: int, e: int, p: int, length: int = 12):
+    """The float32 state after `length` random tokens: its denominators are sums of many
+    non-negative terms, so the readout is well conditioned, as after a real prefill."""
+    q = jnp.asarray(rng.normal(size=(b, length, hk, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, length, hk, d)) / np.sqrt(d), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, length, hk, e)), jnp.float32)
+    log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(b, length, hk))), jnp.float32)
+    return reference.recurrent_form(q, k, v, log_g, p)[1]
+
+
+def decode_token(rng, *, b: int, hq: int, hk: int, d: int, e: int, dtype, gated: bool = True):
+    """(q [B, Hq, D], k [B, Hk, D], v [B, Hk, E], log_g [B, Hk] or None) of one token."""
+    q = jnp.asarray(rng.normal(size=(b, hq, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, hk, d)) / np.sqrt(d), dtype)
+    v = jnp.asarray(rng.normal(size=(b, hk, e)), dtype)
+    log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(b, hk))), jnp.float32)
+    return q, k, v, log_g if gated else None
+
+
+def check_decode(rng, impl: str, *, b: int, hq: int, hk: int, d: int, e: int, p: int,
+                 dtype: str, gated: bool = True, steps: int = 3, prompt: int = 12):
+    """Rows (output, err, tol, ok) of `decode_step(impl=impl)` against impl='reference' after
+    `steps` chained tokens: s and z by max error per the largest entry, y by max error per the
+    largest |y| (TOL_DECODE_Y of the dtype)."""
+    shape = dict(b=b, hk=hk, d=d, e=e)
+    got = want = decode_prompt_state(rng, p=p, length=prompt, **shape)
+    worst = {"s": 0.0, "z": 0.0, "y": 0.0}
+    finite = True
+    for _ in range(steps):
+        token = decode_token(rng, hq=hq, dtype=jnp.dtype(dtype), gated=gated, **shape)
+        got, y = decode_step(got, *token, p=p, impl=impl)
+        want, y_ref = decode_step(want, *token, p=p, impl="reference")
+        if y.shape != (b, hq, e) or y.dtype != jnp.dtype(dtype):
+            raise AssertionError(f"y is {y.shape} {y.dtype}, want {(b, hq, e)} {dtype}")
+        for name, x, x_ref in (("s", got.s, want.s), ("z", got.z, want.z), ("y", y, y_ref)):
+            finite &= bool(np.all(np.isfinite(np.asarray(x, np.float32))))
+            scale = max(float(jnp.max(jnp.abs(x_ref.astype(jnp.float32)))), 1e-30)
+            worst[name] = max(worst[name], max_err(x, x_ref) / scale)
+    tols = {"s": TOL_DECODE_STATE, "z": TOL_DECODE_STATE, "y": TOL_DECODE_Y[dtype]}
+    return [(name, err, tols[name], finite and err <= tols[name]) for name, err in worst.items()]

@@ -44,14 +44,23 @@ class GPTCache(NamedTuple):
 
 
 def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,
-            valid: Bool[Array, "B T"] | None = None) -> tuple[Float[Array, "B T V"], GPTCache]:
+            valid: Bool[Array, "B T"] | None = None, last_only: bool = False
+            ) -> tuple[Float[Array, "B T V"] | Float[Array, "B V"], GPTCache]:
     """Forward over a prompt, returning its logits and the cache (sympow.prefill per layer).
 
     max_length: softmax KV-cache rows (prompt plus every token to decode; None =
     config.max_length, at least T); ignored by sympow, whose state has a fixed size.
     valid: False on each row's left padding (prompts aligned at their ends; None: all
     valid); the logits of padding positions are meaningless.
+    last_only: the logits of the last position only, [B, V]: what decoding needs (the
+    [B, T, V] logits of 16 prompts of 65,536 tokens are 105 GB in bf16).
     """
+    x, cache = _prefill_hidden(model, tokens, max_length, valid)
+    return (model.head(x[:, -1:])[:, 0] if last_only else model.head(x)), cache
+
+
+def _prefill_hidden(model, tokens, max_length, valid) -> tuple[Float[Array, "B T C"], GPTCache]:
+    """`prefill` before the output head: the last block's output and the cache."""
     t = tokens.shape[1]
     if max_length is None:
         max_length = max(model.config.max_length, t)
@@ -60,7 +69,7 @@ def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,
     for block in model.blocks:
         x, cache = block.prefill(x, max_length=max_length, valid=valid)
         caches.append(cache)
-    return model.head(x), GPTCache(tuple(caches), jnp.asarray(t, jnp.int32))
+    return x, GPTCache(tuple(caches), jnp.asarray(t, jnp.int32))
 
 
 def decode_step(model, token: Int[Array, " B"], cache: GPTCache
@@ -104,19 +113,17 @@ def _end_aligned(prompt: Int[Array, "B T"], lengths: Int[Array, " B"]):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy",
-                                             "max_length", "top_k", "vocab_limit"))
+                                             "max_length", "top_k", "vocab_limit", "unroll"))
 def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tokens: int,
-              greedy: bool, max_length: int, top_k: int, vocab_limit: int | None):
+              greedy: bool, max_length: int, top_k: int, vocab_limit: int | None,
+              unroll: int):
     model = nnx.merge(graphdef, state)
     pick = functools.partial(_next_token, temperature=temperature, greedy=greedy, top_k=top_k,
                              vocab_limit=vocab_limit)
-    if lengths is not None:
-        aligned, valid = _end_aligned(prompt, lengths)
-        logits, cache = prefill(model, aligned, max_length=max_length, valid=valid)
-    else:
-        logits, cache = prefill(model, prompt, max_length=max_length)
+    aligned, valid = (prompt, None) if lengths is None else _end_aligned(prompt, lengths)
+    logits, cache = prefill(model, aligned, max_length=max_length, valid=valid, last_only=True)
     keys = jax.random.split(key, max_new_tokens)
-    first = pick(logits[:, -1], keys[0])  # [B]
+    first = pick(logits, keys[0])  # [B]
 
     def step(carry, step_key):
         token, cache = carry
@@ -124,7 +131,7 @@ def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tok
         next_token = pick(logits, step_key)
         return (next_token, cache), next_token
 
-    _, rest = jax.lax.scan(step, (first, cache), keys[1:])  # [N - 1, B]
+    _, rest = jax.lax.scan(step, (first, cache), keys[1:], unroll=unroll)  # [N - 1, B]
     new = jnp.concatenate([first[:, None], rest.T.astype(prompt.dtype)], axis=1)  # [B, N]
     if lengths is None:
         return jnp.concatenate([prompt, new], axis=1)
@@ -139,7 +146,7 @@ def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tok
 def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
              temperature: float = 0.0, rng: jax.Array | None = None,
              prompt_lengths: Int[Array, " B"] | None = None, top_k: int = 0,
-             vocab_limit: int | None = None) -> Int[Array, "B T+N"]:
+             vocab_limit: int | None = None, unroll: int = 1) -> Int[Array, "B T+N"]:
     """Continue `prompt` by max_new_tokens tokens: prefill, then a jit-compiled lax.scan of
     decode steps. temperature 0 = greedy (argmax); > 0 samples softmax(logits / temperature)
     with `rng` (a jax.random key). Returns int32 [B, T + max_new_tokens], prompt first.
@@ -152,6 +159,9 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     row is padding, any ids): a batch of prompts of several lengths. Row b of the result is
     then its prompt, its max_new_tokens new tokens, and PAD_ID (-1) after them. Each row
     gets the tokens it would get alone (up to the batch's floating-point reordering).
+
+    unroll: decode steps per iteration of the device loop (lax.scan's unroll): fewer loop
+    iterations, each with its own control overhead, for a longer compilation.
 
     The model is split into (graphdef, state) with nnx.split, so one compilation serves
     every call with the same shapes, settings and model structure.
@@ -168,6 +178,8 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
                                     or not 1 <= vocab_limit <= vocab):
         raise ValueError(f"vocab_limit must be None or an int in [1, {vocab}], got "
                          f"vocab_limit={vocab_limit!r}")
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
+        raise ValueError(f"unroll must be a positive int, got unroll={unroll!r}")
     greedy = temperature == 0
     if not greedy and rng is None:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
@@ -182,7 +194,7 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
                      jnp.float32(temperature or 1.0),
                      max_new_tokens=max_new_tokens, greedy=greedy,
                      max_length=prompt.shape[1] + max_new_tokens, top_k=top_k,
-                     vocab_limit=vocab_limit)
+                     vocab_limit=vocab_limit, unroll=unroll)
 
 
 def _check_lengths(lengths, shape) -> Array:

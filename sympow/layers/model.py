@@ -216,9 +216,11 @@ class GPT(nnx.Module):
         return self.head(x)
 
     def prefill(self, tokens: Int[Array, "B T"], *, max_length: int | None = None,
-                valid=None):
-        """(logits [B, T, V], cache) after the prompt; see `sympow.layers.decode.prefill`."""
-        return decode.prefill(self, tokens, max_length=max_length, valid=valid)
+                valid=None, last_only: bool = False):
+        """(logits [B, T, V] or, last_only, [B, V], cache) after the prompt; see
+        `sympow.layers.decode.prefill`."""
+        return decode.prefill(self, tokens, max_length=max_length, valid=valid,
+                              last_only=last_only)
 
     def decode_step(self, token: Int[Array, " B"], cache: decode.GPTCache):
         """(logits [B, V], cache) for one more token; see `sympow.layers.decode.decode_step`."""

@@ -88,6 +88,18 @@ def test_generate_greedy_matches_full_forward_argmax(variant):
     np.testing.assert_array_equal(out[:, 5:], expected)
 
 
+def test_generate_unrolled_gives_the_same_tokens():
+    model = randomized(tiny("conformal"))
+    prompt = tokens(6, (2, 5))
+    once = generate(model, prompt, 7, temperature=1.0, rng=jax.random.key(2))
+    # 6 decode steps after the first token: unroll 4 leaves a remainder of 2
+    unrolled = generate(model, prompt, 7, temperature=1.0, rng=jax.random.key(2), unroll=4)
+    np.testing.assert_array_equal(unrolled, once)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="unroll must be a positive int"):
+            generate(model, prompt, 3, unroll=bad)
+
+
 def test_generate_sampling_is_reproducible():
     model = randomized(tiny("sympow_gating"))
     prompt = tokens(7, (3, 4))
@@ -148,6 +160,18 @@ def test_prefill_rejects_a_valid_mask_of_another_shape():
     model = randomized(tiny("sympow"))
     with pytest.raises(ValueError, match=r"valid must be bool \[B, T\] with T = 13"):
         model.prefill(tokens(0), valid=jnp.ones((2, 12), bool))
+
+
+@pytest.mark.parametrize("variant", ["softmax", "conformal"])
+def test_prefill_last_only_is_the_last_row_of_the_logits(variant):
+    model = randomized(tiny(variant))
+    toks = tokens(16)
+    logits, cache = model.prefill(toks)
+    last, last_cache = model.prefill(toks, last_only=True)
+    assert last.shape == (toks.shape[0], VOCAB)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(logits[:, -1]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(last_cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_generate_top_k_and_vocab_limit():

@@ -56,9 +56,10 @@ from tests.train.helpers import (
 TRAIN_PY = ROOT / "experiments" / "train.py"
 
 
-def cli(config_spec: str, overrides, workdir, **popen):
+def cli(config_spec: str, overrides, workdir, *, flags=(), **popen):
+    """experiments/train.py in a subprocess (stdout and stderr together, text)."""
     cmd = [sys.executable, str(TRAIN_PY), f"--config={config_spec}", f"--workdir={workdir}",
-           "--noprogress", *[f"--config.{o}" for o in overrides]]
+           "--noprogress", *flags, *[f"--config.{o}" for o in overrides]]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **popen)
 
