@@ -22,8 +22,8 @@ bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for
 tokens, timed after a compiling call; ms/token = (generate - prefill) / new_tokens (one step
 of the whole batch), tokens/s = batch x new_tokens / (generate - prefill). Reported with the
 prefill time, the cache bytes and the peak memory. --decode_impls=reference,pallas times each
-sympow case with the jnp decoding step and with the fused kernel (the model's impl='pallas',
-whose prefill is the GPU's default kernels too).
+sympow case with the jnp decoding step and with the fused kernel (the model's decode_impl;
+the prefill is the default choice in both).
 
 Forward cases are `variant:p:T`: inference wall time of the model's forward pass (logits of
 --tokens tokens, T-token windows) at bf16 parameters, the median of --reps calls after a
@@ -234,9 +234,9 @@ def decode_case(case: dict) -> dict:
     from sympow.layers import GPT, generate
 
     t, n, batch = case["t"], _NEW_TOKENS.value, case["batch"]
-    fused = case["variant"] != "softmax" and _DECODE_IMPL.value == "pallas"
+    sympow = case["variant"] != "softmax"
     config = gpt_config(case["variant"], case["p"], param_dtype="bfloat16", max_length=t + n,
-                        **({"impl": "pallas"} if fused else {}))
+                        **({"decode_impl": _DECODE_IMPL.value} if sympow else {}))
     model = GPT(config, rngs=nnx.Rngs(0))
     prompt = jnp.asarray(_take(corpus_windows(t)[0], 0, batch))  # [batch, t], EOT first
     graphdef, weights = nnx.split(model)

@@ -14,7 +14,14 @@ This package's namespace is the op's public face, what `sympow.layers` and the r
 library import.
 """
 
-from sympow.attention.api import check_settings, decode_step, prefill, sympow_attention
+from sympow.attention.api import (
+    DECODE_IMPLS,
+    check_settings,
+    decode_step,
+    default_decode_impl,
+    prefill,
+    sympow_attention,
+)
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
 from sympow.attention.implementations import (
@@ -32,7 +39,7 @@ from sympow.attention.reference import (
 )
 
 __all__ = [
-    "ALGORITHMS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
+    "ALGORITHMS", "DECODE_IMPLS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
     "attention_form", "available_impls", "check_settings", "chunked_attention", "decode_step",
-    "init_state", "prefill", "recurrent_form", "recurrent_step", "sympow_attention",
+    "default_decode_impl", "init_state", "prefill", "recurrent_form", "recurrent_step", "sympow_attention",
 ]

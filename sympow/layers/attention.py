@@ -38,6 +38,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float
 
 from sympow.attention import (
+    DECODE_IMPLS,
     SympowState,
     check_settings,
     decode_step,
@@ -241,18 +242,27 @@ class SympowAttention(_Attention):
 
     Extra args over the shared ones (see `_Attention`: gating, gate_bias, rotary, ...): p
     (even power), chunk_size, impl and algorithm (passed to `sympow.sympow_attention` and
-    `sympow.prefill`; None = choose). Decoding takes impl too: 'pallas' the fused step
-    kernel, otherwise the jnp step (`sympow.decode_step`).
+    `sympow.prefill`; None = choose). decode_impl: `sympow.decode_step`'s impl ('pallas' the
+    fused step kernel, 'reference' the jnp step); None follows impl (a kernel impl decodes
+    with the kernel, 'xla' and 'reference' with the jnp step; impl None: decode_step's
+    default, the kernel on a GPU).
     conformal-sympow = gating=True, rotary='learned'. No 1/sqrt(D) scale: a global scale of
     q or k cancels in the normalized attention.
     """
 
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *, p: int = 2,
                  chunk_size: int | None = None, impl: str | None = None,
-                 algorithm: str | None = None, rngs: nnx.Rngs, **kwargs):
+                 algorithm: str | None = None, decode_impl: str | None = None,
+                 rngs: nnx.Rngs, **kwargs):
         check_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm)
+        if decode_impl is not None and decode_impl not in DECODE_IMPLS:
+            raise ValueError(f"decode_impl must be one of {DECODE_IMPLS} or None, got "
+                             f"decode_impl={decode_impl!r}")
         super().__init__(d_model, n_head, n_kv_head, rngs=rngs, **kwargs)
         self.p, self.chunk_size, self.impl, self.algorithm = p, chunk_size, impl, algorithm
+        if decode_impl is None and impl is not None:
+            decode_impl = DECODE_IMPL[impl]
+        self.decode_impl = decode_impl
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         q, k, v, log_g, _ = self.project(x)
@@ -286,7 +296,7 @@ class SympowAttention(_Attention):
         q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
         state, y = decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
                                None if log_g is None else log_g[:, 0], p=self.p,
-                               impl=None if self.impl is None else DECODE_IMPL[self.impl])
+                               impl=self.decode_impl)
         return self.merge_heads(y[:, None]), SympowCache(state, mu)
 
     def init_cache(self, batch: int, max_length: int | None = None) -> SympowCache:

@@ -77,6 +77,7 @@ class GPTConfig:
       starts at gamma ~ 0.5. Unused without gating.
     rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
     chunk_size, impl, algorithm: passed to `sympow.sympow_attention` (None = choose).
+    decode_impl: `sympow.decode_step`'s impl (None follows impl; see `SympowAttention`).
     dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
     max_length: KV-cache rows of the softmax baseline when prefill gets no max_length.
     mlp_ratio: MLP hidden width / d_model. layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
@@ -97,6 +98,7 @@ class GPTConfig:
     chunk_size: int | None = None
     impl: str | None = None
     algorithm: str | None = None
+    decode_impl: str | None = None
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     max_length: int = 1024
@@ -141,7 +143,8 @@ def _attention(config: GPTConfig, rngs: nnx.Rngs):
         return SoftmaxAttention(config.d_model, config.n_head, config.n_kv_head, **common)
     return SympowAttention(config.d_model, config.n_head, config.n_kv_head, p=config.p,
                            chunk_size=config.chunk_size, impl=config.impl,
-                           algorithm=config.algorithm, gate_bias=config.gate_bias, **common)
+                           algorithm=config.algorithm, decode_impl=config.decode_impl,
+                           gate_bias=config.gate_bias, **common)
 
 
 def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:

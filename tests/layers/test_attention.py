@@ -88,3 +88,18 @@ def test_invalid_gate_bias_raises():
     for value in ("5", True, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=r"gate_bias must be None .* got gate_bias="):
             SympowAttention(32, 4, gating=True, gate_bias=value, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("impl, decode_impl, want", [
+    (None, None, None),  # decode_step's default (the kernel on a GPU)
+    ("pallas", None, "pallas"), ("xla", None, "reference"), ("reference", None, "reference"),
+    (None, "pallas", "pallas"), ("pallas", "reference", "reference")])
+def test_decode_impl_follows_impl_unless_given(impl, decode_impl, want):
+    layer = SympowAttention(32, 4, impl=impl, decode_impl=decode_impl, rngs=nnx.Rngs(0))
+    assert layer.decode_impl == want
+
+
+def test_invalid_decode_impl_raises():
+    with pytest.raises(ValueError, match=r"decode_impl must be one of \('pallas', 'reference'\) "
+                                         r"or None, got decode_impl='xla'"):
+        SympowAttention(32, 4, decode_impl="xla", rngs=nnx.Rngs(0))

@@ -26,7 +26,8 @@ from tests.layers.helpers import (
 
 @pytest.mark.parametrize("variant, overrides", [(v, {}) for v in VARIANTS] + [
     ("softmax", dict(rotary="learned")), ("conformal", dict(gate_bias=None)),
-    ("conformal", dict(impl="pallas", d_model=64))])  # kernels (interpreter), fused decode: E = 16
+    ("conformal", dict(impl="pallas", d_model=64)),  # kernels (interpreter), fused decode: E = 16
+    ("conformal", dict(decode_impl="pallas", d_model=64))])  # chosen prefill, fused decode
 def test_prefill_then_decode_matches_forward_fp32(variant, overrides):
     """p = 2 in float32; the prompt (5) and T (13) are not multiples of chunk_size (4)."""
     model = randomized(tiny(variant, **overrides))

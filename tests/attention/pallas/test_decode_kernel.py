@@ -97,3 +97,19 @@ def test_unknown_impl_is_named():
     with pytest.raises(ValueError, match=r"impl must be one of \('pallas', 'reference'\) or "
                                          r"None, got impl='xla'"):
         api.decode_step(state, q, k, v, log_g, impl="xla")
+
+
+@pytest.mark.parametrize("backend, want", [("gpu", "pallas"), ("cpu", "reference"),
+                                           ("tpu", "reference")])
+def test_the_default_decode_impl_is_the_kernel_on_a_gpu_only(monkeypatch, backend, want):
+    monkeypatch.setattr(api.jax, "default_backend", lambda: backend)
+    assert api.default_decode_impl() == want
+
+
+def test_impl_none_runs_the_default(rng):
+    state = testing.decode_prompt_state(rng, b=1, hk=1, d=8, e=16, p=2)
+    q, k, v, log_g = testing.decode_token(rng, b=1, hq=1, hk=1, d=8, e=16, dtype=jnp.float32)
+    got, y = api.decode_step(state, q, k, v, log_g)
+    want, y_want = api.decode_step(state, q, k, v, log_g, impl=api.default_decode_impl())
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_want))
+    np.testing.assert_array_equal(np.asarray(got.s), np.asarray(want.s))
