@@ -39,7 +39,8 @@ from sympow.attention.reference import (
 )
 
 __all__ = [
-    "ALGORITHMS", "DECODE_IMPLS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig", "ChunkPrimitives", "SympowState",
-    "attention_form", "available_impls", "check_settings", "chunked_attention", "decode_step",
-    "default_decode_impl", "init_state", "prefill", "recurrent_form", "recurrent_step", "sympow_attention",
+    "ALGORITHMS", "DECODE_IMPLS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig",
+    "ChunkPrimitives", "SympowState", "attention_form", "available_impls", "check_settings",
+    "chunked_attention", "decode_step", "default_decode_impl", "init_state", "prefill",
+    "recurrent_form", "recurrent_step", "sympow_attention",
 ]
