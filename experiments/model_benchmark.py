@@ -415,6 +415,9 @@ def main(argv):
     bad = sorted(set(_DECODE_IMPLS.value) - {"reference", "pallas"})
     if bad or not _DECODE_IMPLS.value:
         raise ValueError(f"--decode_impls: each of reference, pallas, got {_DECODE_IMPLS.value}")
+    out = Path(_OUT.value) if _OUT.value else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     for kind, specs in cases:
         for spec in specs:
             sympow_decode = kind == "decode" and not spec.startswith("softmax:")
@@ -422,11 +425,9 @@ def main(argv):
                 results.append(startup_case(parse_case(spec, kind)) if kind == "startup"
                                else run_isolated(kind, spec, impl))
                 print(json.dumps(results[-1]), flush=True)
+                if out:  # after every case: a run stopped from outside keeps what it measured
+                    (out / "model_benchmark.json").write_text(json.dumps(results, indent=1))
     report(results)
-    if _OUT.value:
-        out = Path(_OUT.value)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "model_benchmark.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
