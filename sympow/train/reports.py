@@ -35,7 +35,7 @@ from sympow.train.trainer import SUMMARY_FILE
 CURVES_PNG, TABLE_CSV, TABLE_MD = "curves.png", "relative_loss.csv", "relative_loss.md"
 CONTEXT_PNG = "final_vs_context.png"
 METRICS = ("final_loss", "heldout_loss")
-TABLE_FIELDS = ("variant", "p", "context", "seeds", "loss", "softmax_loss", "ratio",
+TABLE_FIELDS = ("variant", "p", "form", "context", "seeds", "loss", "softmax_loss", "ratio",
                 "ratio_std", "ratio_min", "ratio_max")
 
 
@@ -43,7 +43,9 @@ TABLE_FIELDS = ("variant", "p", "context", "seeds", "loss", "softmax_loss", "rat
 class Run:
     """One training run: its settings, its logged training loss and its final losses.
 
-    ``p`` is None for softmax (its config's p is unused). ``final_loss`` is the summary's
+    ``p`` is None for softmax (its config's p is unused). ``form`` names where the run departs
+    from the papers' form (``deviations``; '' for none), so that a deviation is neither pooled
+    with the papers' runs as another seed nor drawn in their colour. ``final_loss`` is the summary's
     (mean of the last ``final_loss_steps`` steps), or the same mean over the metrics of a run
     without a summary (still training). ``heldout_loss`` is NaN unless the run was evaluated
     at its training context (``heldout_loss_of``).
@@ -55,6 +57,8 @@ class Run:
     p: int | None
     context: int
     seed: int
+    form: str
+    gated: bool
     steps: np.ndarray  # [records] int: completed updates at each logged record
     tokens: np.ndarray  # [records] float: tokens seen at each record
     loss: np.ndarray  # [records] float: mean training loss since the previous record
@@ -62,13 +66,34 @@ class Run:
     heldout_loss: float = math.nan
 
     @property
-    def key(self) -> tuple[str, int | None]:
-        """(variant, p): one line or colour of a figure."""
-        return self.variant, self.p
+    def key(self) -> tuple[str, int | None, str]:
+        """(variant, p, form): one line or colour of a figure."""
+        return self.variant, self.p, self.form
 
 
-def _name(variant: str, p: int | None) -> str:
-    return variant if p is None else f"{variant} p={p}"
+def _name(variant: str, p: int | None, form: str = "") -> str:
+    return (variant if p is None else f"{variant} p={p}") + (f" ({form})" if form else "")
+
+
+def deviations(config: dict) -> str:
+    """Where a run's config departs from the papers' training form (configs/base.py): a gate
+    bias on a gated model ('gate bias +5') and gradient clipping ('clip 1'), joined by ', ';
+    '' for the papers' form. Configs written before these fields count as the papers' form
+    only where they say so: a missing field is read as the library default it had."""
+    model, optim = config.get("model", {}), config.get("optim", {})
+    found = []
+    bias = model.get("gate_bias", 5.0)
+    if model.get("gating") and bias is not None:
+        found.append(f"gate bias {float(bias):+g}")
+    clip = float(optim.get("grad_clip", 1.0) or 0.0)
+    if clip > 0:
+        found.append(f"clip {clip:g}")
+    return ", ".join(found)
+
+
+def _clip_part(form: str) -> str:
+    """The optimizer's part of a form (what a softmax baseline can share)."""
+    return ", ".join(part for part in form.split(", ") if part.startswith("clip"))
 
 
 def _read_json(path: Path):
@@ -124,6 +149,7 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
     variant = config.get("variant") or model.get("attention", "?")
     p = None if model.get("attention") == "softmax" else int(model["p"])
     seed = int(config.get("seed", 0))
+    form = deviations(config)
     steps = np.asarray([r["step"] for r in records], np.int64)
     per_step = int(data.get("docs_per_batch", 0)) * context  # older metrics lack "tokens"
     tokens = np.asarray([r.get("tokens", r["step"] * per_step) for r in records], np.float64)
@@ -134,8 +160,9 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
         total = int(config.get("num_train_steps", steps[-1]))
         final = final_loss(records, final_loss_window(config, total))
     loss = np.asarray([r["loss"] for r in records], np.float64)
-    return Run(run_dir, label or f"{_name(variant, p)} ctx={context} seed={seed}", variant, p,
-               context, seed, steps, tokens, loss, final, heldout_loss_of(run_dir, context))
+    return Run(run_dir, label or f"{_name(variant, p, form)} ctx={context} seed={seed}", variant,
+               p, context, seed, form, bool(model.get("gating")), steps, tokens, loss, final,
+               heldout_loss_of(run_dir, context))
 
 
 def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -157,12 +184,28 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def load_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
-    """``load_run`` of every directory ``find_runs`` finds."""
-    return [load_run(d) for d in find_runs(paths)]
+    """``load_run`` of every directory ``find_runs`` finds. A part of the form that every
+    run it can apply to shares (the clipping of all runs, the gate bias of all gated runs)
+    tells no runs apart: it is dropped from the forms and labels."""
+    runs = [load_run(d) for d in find_runs(paths)]
+
+    def parts(run: Run, prefix: str) -> frozenset[str]:
+        return frozenset(p for p in run.form.split(", ") if p.startswith(prefix))
+
+    clips = {parts(r, "clip") for r in runs}
+    biases = {parts(r, "gate") for r in runs if r.gated}
+    shared = set().union(*(next(iter(s)) for s in (clips, biases) if len(s) == 1))
+    trimmed = []
+    for r in runs:
+        form = ", ".join(p for p in r.form.split(", ") if p and p not in shared)
+        label = r.label.replace(f" ({r.form})", f" ({form})" if form else "")
+        trimmed.append(dataclasses.replace(r, form=form, label=label))
+    return trimmed
 
 
 def _order(run: Run) -> tuple:
-    return (run.p is not None, run.p or 0, run.variant, run.context, run.seed, str(run.path))
+    return (run.p is not None, run.p or 0, run.variant, run.form, run.context, run.seed,
+            str(run.path))
 
 
 def moving_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -221,26 +264,29 @@ def _metric(run: Run, metric: str) -> float:
 
 
 def relative_loss_table(runs: Sequence[Run], metric: str = "final_loss") -> list[dict]:
-    """Rows (variant, p, context): each sympow-family run's ``metric`` over the softmax run's
-    at the same context and seed, mean / sample std / min / max over seeds (std None for one
-    seed). A seed without its own softmax run is compared with the mean softmax loss at that
-    context; runs without any softmax run at their context (or a NaN loss) are left out."""
-    softmax = defaultdict(dict)  # context -> seed -> loss
+    """Rows (variant, p, form, context): each sympow-family run's ``metric`` over the softmax
+    run's at the same context, seed and optimizer form (clipping; a gate bias has no softmax
+    counterpart), mean / sample std / min / max over seeds (std None for one seed). A seed
+    without its own softmax run is compared with the mean softmax loss at that context and
+    form; runs without any such softmax run (or a NaN loss) are left out."""
+    softmax = defaultdict(dict)  # (context, clip form) -> seed -> loss
     for r in runs:
         if r.p is None and math.isfinite(_metric(r, metric)):
-            softmax[r.context][r.seed] = _metric(r, metric)
-    groups = defaultdict(list)  # (variant, p, context) -> [(loss, softmax loss)]
+            softmax[r.context, r.form][r.seed] = _metric(r, metric)
+    groups = defaultdict(list)  # (variant, p, form, context) -> [(loss, softmax loss)]
     for r in runs:
-        base = softmax.get(r.context)
+        base = softmax.get((r.context, _clip_part(r.form)))
         if r.p is None or not base or not math.isfinite(_metric(r, metric)):
             continue
         ref = base.get(r.seed, float(np.mean(list(base.values()))))
-        groups[r.variant, r.p, r.context].append((_metric(r, metric), ref))
+        groups[r.variant, r.p, r.form, r.context].append((_metric(r, metric), ref))
     rows = []
-    for (variant, p, context), pairs in sorted(groups.items(), key=lambda g: (g[0][1], g[0])):
+    for (variant, p, form, context), pairs in sorted(groups.items(),
+                                                     key=lambda g: (g[0][1], g[0])):
         losses, refs = np.asarray(pairs).T
         ratios = losses / refs
-        rows.append({"variant": variant, "p": p, "context": context, "seeds": len(pairs),
+        rows.append({"variant": variant, "p": p, "form": form, "context": context,
+                     "seeds": len(pairs),
                      "loss": float(losses.mean()), "softmax_loss": float(refs.mean()),
                      "ratio": float(ratios.mean()),
                      "ratio_std": float(ratios.std(ddof=1)) if len(pairs) > 1 else None,
@@ -265,7 +311,8 @@ def markdown_table(rows: Sequence[dict], metric: str = "final_loss") -> str:
         ratio = f"{r['ratio']:.4f}"
         if r["seeds"] > 1:
             ratio += f" ± {r['ratio_std']:.4f} [{r['ratio_min']:.4f}, {r['ratio_max']:.4f}]"
-        lines.append(f"| {r['variant']} | {r['p']} | {r['context']} | {r['seeds']} | "
+        variant = r["variant"] + (f" ({r['form']})" if r["form"] else "")
+        lines.append(f"| {variant} | {r['p']} | {r['context']} | {r['seeds']} | "
                      f"{r['loss']:.4f} | {r['softmax_loss']:.4f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -284,14 +331,14 @@ def plot_final_vs_context(runs: Sequence[Run], out_png: str | os.PathLike, *,
                          "run experiments/evaluate.py, or a sweep with evaluation)")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (variant, p), by_context in points.items():
+    for (variant, p, form), by_context in points.items():
         contexts = sorted(by_context)
         values = [np.asarray(by_context[c]) for c in contexts]
         mean = np.asarray([v.mean() for v in values])
         err = np.asarray([[m - v.min() for m, v in zip(mean, values, strict=True)],
                           [v.max() - m for m, v in zip(mean, values, strict=True)]])
         ax.errorbar(contexts, mean, yerr=err if err.any() else None, marker="o", capsize=3,
-                    label=_name(variant, p))
+                    label=_name(variant, p, form))
     seeds = max(len(v) for by_context in points.values() for v in by_context.values())
     ylabel = ("final training loss" if metric == "final_loss"
               else "held-out loss at training context")

@@ -72,8 +72,10 @@ def test_relative_loss_table_divides_the_summaries(tiny_runs, tmp_path):
         assert r["ratio"] == pytest.approx(expected, rel=1e-12)
         assert r["ratio_min"] == r["ratio_max"] == r["ratio"] and r["ratio_std"] is None
     header, body = tables.read_csv(reports.write_table_csv(tmp_path / "t.csv", rows))
-    assert header == list(reports.TABLE_FIELDS) and len(body) == 2 and body[0][7] == ""
-    assert float(body[1][6]) == pytest.approx(rows[1]["ratio"], abs=1e-6)
+    column = {name: i for i, name in enumerate(reports.TABLE_FIELDS)}
+    assert header == list(reports.TABLE_FIELDS) and len(body) == 2
+    assert body[0][column["ratio_std"]] == "" and body[0][column["form"]] == ""
+    assert float(body[1][column["ratio"]]) == pytest.approx(rows[1]["ratio"], abs=1e-6)
     table = reports.markdown_table(rows)
     assert f"| conformal | 2 | 64 | 1 | {rows[1]['loss']:.4f} |" in table
 
@@ -116,14 +118,19 @@ def test_a_directory_without_metrics_is_named(tmp_path):
         reports.find_runs([empty])
 
 
-def fake_run(path, variant, context, seed, loss, *, p=2, summary=True):
-    """A run directory as the trainer leaves it: 4 logged steps, the last loss ``loss``."""
+def fake_run(path, variant, context, seed, loss, *, p=2, summary=True, gate_bias=None,
+             grad_clip=None):
+    """A run directory as the trainer leaves it: 4 logged steps, the last loss ``loss``;
+    gate_bias / grad_clip written to its config when given (else the fields are absent)."""
     path.mkdir(parents=True)
     attention = "softmax" if variant == "softmax" else "sympow"
+    model = {"attention": attention, "p": p, "gating": variant in ("sympow_gating", "conformal")}
+    if gate_bias is not None:
+        model["gate_bias"] = None if gate_bias == "none" else gate_bias
+    optim = {} if grad_clip is None else {"grad_clip": grad_clip}
     (path / "config.json").write_text(json.dumps({
         "variant": variant, "seed": seed, "num_train_steps": 4, "final_loss_steps": 2,
-        "model": {"attention": attention, "p": p}, "data": {"context_size": context,
-                                                            "docs_per_batch": 2}}))
+        "model": model, "optim": optim, "data": {"context_size": context, "docs_per_batch": 2}}))
     records = [{"step": s, "loss": value} for s, value in enumerate([5.0, 4.0, 3.0, loss], 1)]
     (path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
     if summary:
@@ -158,6 +165,33 @@ def test_several_seeds_give_mean_and_spread(tmp_path):
     assert is_png(reports.plot_curves(runs, tmp_path / "curves.png"))
     assert reports.moving_mean(np.asarray([1.0, 2.0, 3.0, 4.0]), 2).tolist() == [
         1.0, 1.5, 2.5, 3.5]
+
+
+def test_deviations_from_the_papers_form_are_kept_apart(tmp_path):
+    papers = {"gate_bias": "none", "grad_clip": 0.0}
+    fake_run(tmp_path / "a" / "softmax_ctx64", "softmax", 64, 0, 2.0, **papers)
+    fake_run(tmp_path / "a" / "conformal_p2_ctx64", "conformal", 64, 0, 1.8, **papers)
+    fake_run(tmp_path / "bias" / "conformal_p2_ctx64", "conformal", 64, 0, 1.6, gate_bias=5.0,
+             grad_clip=0.0)
+    fake_run(tmp_path / "clip" / "conformal_p2_ctx64", "conformal", 64, 0, 1.5,
+             gate_bias="none", grad_clip=1.0)  # no softmax run with clipping: not in the table
+    fake_run(tmp_path / "old" / "sympow_p2_ctx64", "sympow", 64, 0, 1.9)  # fields absent
+    runs = reports.load_runs([tmp_path / d for d in ("a", "bias", "clip", "old")])
+    assert sorted(r.label for r in runs) == [
+        "conformal p=2 (clip 1) ctx=64 seed=0", "conformal p=2 (gate bias +5) ctx=64 seed=0",
+        "conformal p=2 ctx=64 seed=0", "softmax ctx=64 seed=0",
+        "sympow p=2 (clip 1) ctx=64 seed=0"]  # an ungated model has no gate bias
+    rows = reports.relative_loss_table(runs)
+    assert [(r["variant"], r["form"], r["seeds"]) for r in rows] == [
+        ("conformal", "", 1), ("conformal", "gate bias +5", 1)]  # not pooled as seeds
+    assert [r["ratio"] for r in rows] == [pytest.approx(0.9), pytest.approx(0.8)]
+    assert "| conformal (gate bias +5) | 2 | 64 | 1 | 1.6000 | 2.0000 | 0.8000 |" in (
+        reports.markdown_table(rows))
+    assert is_png(reports.plot_final_vs_context(runs, tmp_path / "ctx.png"))
+    # one form for every run tells nothing apart: it is left out of the labels
+    same = reports.load_runs([tmp_path / "clip"])
+    assert [(r.form, r.label) for r in same] == [("", "conformal p=2 ctx=64 seed=0")]
+    assert reports.load_run(tmp_path / "clip" / "conformal_p2_ctx64").form == "clip 1"
 
 
 def test_heldout_loss_from_a_sweep_table_or_an_evaluation(tmp_path):
