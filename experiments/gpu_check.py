@@ -30,11 +30,13 @@ _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
-_ONLY = flags.DEFINE_enum("only", "all", ["all", "random", "edge", "precision", "decode"],
+_ONLY = flags.DEFINE_enum("only", "all",
+                          ["all", "random", "edge", "precision", "decode", "primitives"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
-                          "against the specification (DECODE_CASES)")
+                          "against the specification (DECODE_CASES); primitives: each Hopper "
+                          "kernel against the portable tier's on the same inputs")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -61,6 +63,14 @@ QUICK = [0, 2, 4, 6, 7]
 # not: GPT-2 small's heads at B = 1 and 16, grouped heads, R padded, p = 4.
 DECODE_CASES = [(1, 12, 12, 64, 64, 2), (16, 12, 12, 64, 64, 2), (2, 4, 2, 16, 16, 2),
                 (1, 3, 1, 8, 32, 2), (1, 12, 12, 32, 64, 4), (4, 8, 8, 16, 128, 4)]
+# --only=primitives: (b, hq, hk, n, c, d, e, p, gates) of the Hopper attention forward against
+# the portable one; gates 'ordinary', 'strong' (-1e4 every 97 tokens, 0 elsewhere), 'full'
+# (-1e4 everywhere), 'none' (0).
+PRIMITIVE_CASES = [
+    (1, 2, 2, 1, 128, 64, 64, 2, "ordinary"), (2, 4, 2, 2, 512, 64, 64, 2, "ordinary"),
+    (1, 2, 2, 1, 1024, 64, 64, 2, "strong"), (1, 4, 4, 3, 512, 64, 64, 2, "full"),
+    (1, 2, 1, 1, 4096, 64, 64, 4, "ordinary"), (1, 2, 2, 1, 2048, 128, 128, 2, "none"),
+    (1, 2, 2, 1, 1024, 64, 128, 2, "ordinary")]
 ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
 # (gate history, T) of --only=precision: issue 11's three histories and 65,536 ordinary gates.
 PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 900),
@@ -90,6 +100,39 @@ def check_decode(testing, rng, **case):
     """Rows (output, err, note, ok) of the fused decoding step against the specification."""
     return [(n, e, f"tol {tol:.0e}", ok)
             for n, e, tol, ok in testing.check_decode(rng, "pallas", **case)]
+
+
+def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
+    """Rows (output, err, note, ok): the Hopper attention forward's y = o / den, den e^m and
+    m against the portable kernel's on the same bf16 inputs (the same function)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sympow.attention.mosaic_gpu import attention_kernels as hopper
+    from sympow.attention.pallas import attention_kernels as portable
+    from sympow.attention.pallas.plan import make_form_plan
+
+    q, k = (rng.normal(size=(b, h, n, c, d)) / d ** 0.5 for h in (hq, hk))
+    v = rng.normal(size=(b, hk, n, c, e))
+    a = {"ordinary": np.log(1 / (1 + np.exp(-rng.normal(3.0, 2.0, size=(b, hk, n, c))))),
+         "strong": np.where(np.arange(c) % 97 == 0, -1e4, 0.0) * np.ones((b, hk, n, c)),
+         "full": np.full((b, hk, n, c), -1e4), "none": np.zeros((b, hk, n, c))}[gates]
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    a = jnp.asarray(a, jnp.float32)
+    plan = make_form_plan(p, d, e, c, "bfloat16", False)
+    head, tail = portable.block_gate_sums(a, plan)
+    want = portable.attention_fwd(q, k, v, a, head, tail, plan)
+    got = hopper.attention_fwd(q, k, v, a, head, tail, p=p)
+    (o1, den1, m1), (o2, den2, m2) = ([np.asarray(x, np.float64) for x in out]
+                                      for out in (want, got))
+    y1, y2 = o1 / den1[..., None], o2 / den2[..., None]
+    t1, t2 = den1 * np.exp(m1), den2 * np.exp(m2)
+    rel = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))  # noqa: E731
+    m_err = float(np.max(np.abs(m1 - m2) / np.maximum(1.0, np.abs(m1))))
+    finite = all(np.all(np.isfinite(x)) for x in (o2, den2, m2))
+    return [("y", rel(y2, y1), "tol 1e-2", finite and rel(y2, y1) <= 1e-2),
+            ("den", rel(t2, t1), "tol 1e-4 (den e^m)", finite and rel(t2, t1) <= 1e-4),
+            ("m", m_err, "tol 1e-5", finite and m_err <= 1e-5)]
 
 
 def main(argv):
@@ -133,6 +176,10 @@ def main(argv):
                                      **dict(zip("b hq hk d e p".split(), shape, strict=True))))
                   for shape in DECODE_CASES for b, hq, hk, d, e, p in [shape]
                   for dtype in ("float32", "bfloat16") for gated in (True, False)]
+    if _ONLY.value == "primitives":
+        checks = [(("mosaic_gpu", "attention_fwd"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
+                   *case), "bfloat16", "primitive",
+                   functools.partial(check_primitive, rng, *case)) for case in PRIMITIVE_CASES]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
     with warnings.catch_warnings(record=True) as caught:

@@ -32,7 +32,11 @@ LAYERS = (
     "sympow.attention.pallas.state_kernels", "sympow.attention.pallas.prefix_kernels",
     "sympow.attention.pallas.vjps", "sympow.attention.pallas.primitives",
     "sympow.attention.pallas.attention_form",
-    "sympow.attention.pallas", "sympow.attention.implementations", "sympow.attention.api",
+    "sympow.attention.pallas",
+    # The Hopper tier builds on the portable one (its backward, plans and wrappers).
+    "sympow.attention.mosaic_gpu.attention_kernels", "sympow.attention.mosaic_gpu.vjps",
+    "sympow.attention.mosaic_gpu.primitives", "sympow.attention.mosaic_gpu",
+    "sympow.attention.implementations", "sympow.attention.api",
     "sympow.attention.testing", "sympow.attention",
     "sympow",  # the top-level public face: only the package's own __init__ is this layer
     "sympow.layers", "sympow.data", "sympow.train",

@@ -8,7 +8,10 @@ time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
              'attention' the attention form: O(T^2) time; O(T x block) memory in blocked.py,
                          O(T^2) in the reference
              'recurrent' the recurrence, one token at a time
-  backend    'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
+  backend    'mosaic_gpu' the Hopper tier (sympow/attention/mosaic_gpu/): the attention
+                         forward in Mosaic GPU on sm90 GPUs, the rest the portable tier's
+                         kernels (a logged fallback to those where it cannot run)
+             'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
              'xla'       pure JAX, memory-conscious
              'reference' the specification forms (reference.py)
 
@@ -45,6 +48,7 @@ from sympow.attention import xla
 from sympow.attention.blocked import blocked_attention, default_block_size
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
+from sympow.attention.mosaic_gpu import primitives as hopper
 from sympow.attention.pallas import attention_form as pallas_attention_form
 from sympow.attention.pallas import plan as pallas_plan
 from sympow.attention.pallas import primitives as pallas_primitives
@@ -118,6 +122,10 @@ def _pallas_attention_form(config: AttentionConfig, q, k, v, log_g):
     return pallas_attention_form.attention_form(config, q, k, v, log_g), None
 
 
+def _hopper_attention_form(config: AttentionConfig, q, k, v, log_g):
+    return hopper.attention_form(config, q, k, v, log_g), None
+
+
 def _blocked(config: AttentionConfig, q, k, v, log_g):
     return blocked_attention(q, k, v, log_g, p=config.p, block=config.chunk_size), None
 
@@ -133,6 +141,15 @@ def _recurrent_form(config: AttentionConfig, q, k, v, log_g):
 # Table order is preference order.
 IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
     (row.algorithm, row.backend): row for row in (
+        # The Hopper tier: GPU only (its own kernels need sm90; elsewhere it logs and runs
+        # the portable tier's). Same layouts and cost models as the portable rows.
+        Implementation("chunked", "mosaic_gpu", _chunked(hopper.primitives),
+                       platforms=("gpu",), default_on=("gpu",), has_state=True,
+                       default_chunk_size=pallas_plan.default_chunk_size,
+                       cost=chunked_cost(lambda d, p: expanded_dim(
+                           d, p, pallas_plan.tile_width(d, p)))),
+        Implementation("attention", "mosaic_gpu", _hopper_attention_form,
+                       platforms=("gpu",), default_on=("gpu",), cost=attention_cost),
         # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,

@@ -15,22 +15,24 @@ from sympow.attention.pallas import plan as pallas_plan
 
 def test_keys_are_the_rows_algorithm_and_backend():
     assert list(impls.IMPLEMENTATIONS) == [
-        ("chunked", "pallas"), ("attention", "pallas"), ("chunked", "xla"),
-        ("attention", "xla"), ("attention", "reference"), ("recurrent", "reference")]
+        ("chunked", "mosaic_gpu"), ("attention", "mosaic_gpu"), ("chunked", "pallas"),
+        ("attention", "pallas"), ("chunked", "xla"), ("attention", "xla"),
+        ("attention", "reference"), ("recurrent", "reference")]
     for (algorithm, backend), row in impls.IMPLEMENTATIONS.items():
         assert (row.algorithm, row.backend) == (algorithm, backend)
     # The rows with a chunk (chunked) or block (blocked attention form) parameter.
     assert {key for key, row in impls.IMPLEMENTATIONS.items() if row.default_chunk_size} == {
-        ("chunked", "pallas"), ("chunked", "xla"), ("attention", "xla")}
+        ("chunked", "mosaic_gpu"), ("chunked", "pallas"), ("chunked", "xla"),
+        ("attention", "xla")}
 
 
 def test_names_are_the_backends_and_algorithms_in_table_order():
-    assert impls.IMPLS == ("pallas", "xla", "reference")
+    assert impls.IMPLS == ("mosaic_gpu", "pallas", "xla", "reference")
     assert impls.ALGORITHMS == ("chunked", "attention", "recurrent")
 
 
 @pytest.mark.parametrize(("platform", "expected"), [
-    ("gpu", ("pallas", "xla", "reference")),
+    ("gpu", ("mosaic_gpu", "pallas", "xla", "reference")),
     ("cpu", ("xla", "pallas", "reference")),
     ("tpu", ("xla", "reference")),
 ])
@@ -39,16 +41,19 @@ def test_available_impls_put_the_platform_default_first(platform, expected):
 
 
 def test_kernel_rows_are_the_platform_bound_tiers():
-    assert impls.kernel_rows("gpu") == impls.kernel_rows("cpu") == (
-        ("chunked", "pallas"), ("attention", "pallas"))
+    assert impls.kernel_rows("gpu") == (
+        ("chunked", "mosaic_gpu"), ("attention", "mosaic_gpu"), ("chunked", "pallas"),
+        ("attention", "pallas"))
+    assert impls.kernel_rows("cpu") == (("chunked", "pallas"), ("attention", "pallas"))
     assert impls.kernel_rows("tpu") == ()
 
 
 @pytest.mark.parametrize(("impl", "algorithm", "need_state", "platform", "key"), [
-    (None, None, False, "gpu", ("chunked", "pallas")),
+    (None, None, False, "gpu", ("chunked", "mosaic_gpu")),
     (None, None, False, "cpu", ("chunked", "xla")),
     (None, None, True, "cpu", ("chunked", "xla")),
-    (None, "attention", False, "gpu", ("attention", "pallas")),
+    (None, "attention", False, "gpu", ("attention", "mosaic_gpu")),
+    ("pallas", "attention", False, "gpu", ("attention", "pallas")),
     (None, "attention", False, "cpu", ("attention", "xla")),
     ("pallas", None, False, "cpu", ("chunked", "pallas")),
     ("xla", "attention", False, "cpu", ("attention", "xla")),
@@ -61,9 +66,12 @@ def test_select(impl, algorithm, need_state, platform, key):
 
 
 def test_select_rejects_unknown_and_unavailable_choices():
-    with pytest.raises(ValueError, match=r"impl must be one of \('pallas', 'xla', 'reference'\) "
-                                         r"or None, got impl='mosaic_gpu'"):
-        impls.select("mosaic_gpu")
+    with pytest.raises(ValueError, match=r"impl must be one of \('mosaic_gpu', 'pallas', 'xla', "
+                                         r"'reference'\) or None, got impl='triton'"):
+        impls.select("triton")
+    with pytest.raises(ValueError, match=r"impl='mosaic_gpu' is not available on backend "
+                                         r"'cpu'"):
+        impls.select("mosaic_gpu", platform="cpu")
     with pytest.raises(ValueError, match=r"algorithm must be one of \('chunked', 'attention', "
                                          r"'recurrent'\) or None, got algorithm='flash'"):
         impls.select(None, "flash")
@@ -101,14 +109,14 @@ def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
 
 
 @pytest.mark.parametrize(("p", "d", "t", "platform", "need_state", "key"), [
-    (2, 64, 1024, "gpu", False, ("attention", "pallas")),
-    (2, 64, 4096, "gpu", False, ("attention", "pallas")),  # 16.7 vs 17.0 ms measured
-    (2, 64, 8192, "gpu", False, ("chunked", "pallas")),
-    (2, 64, 65536, "gpu", False, ("chunked", "pallas")),
-    (4, 64, 65536, "gpu", False, ("attention", "pallas")),
-    (4, 64, 1024, "gpu", True, ("attention", "pallas")),  # + the streamed state
+    (2, 64, 1024, "gpu", False, ("attention", "mosaic_gpu")),
+    (2, 64, 4096, "gpu", False, ("attention", "mosaic_gpu")),  # 16.7 vs 17.0 ms measured
+    (2, 64, 8192, "gpu", False, ("chunked", "mosaic_gpu")),
+    (2, 64, 65536, "gpu", False, ("chunked", "mosaic_gpu")),
+    (4, 64, 65536, "gpu", False, ("attention", "mosaic_gpu")),
+    (4, 64, 1024, "gpu", True, ("attention", "mosaic_gpu")),  # + the streamed state
     (4, 64, 1024, "cpu", True, ("attention", "xla")),
-    (2, 64, 65536, "gpu", True, ("chunked", "pallas")),  # its state comes free
+    (2, 64, 65536, "gpu", True, ("chunked", "mosaic_gpu")),  # its state comes free
     (2, 16, 37, "cpu", False, ("attention", "xla")),
     (2, 64, 65536, "cpu", False, ("chunked", "xla")),
 ])

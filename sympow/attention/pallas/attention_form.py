@@ -50,11 +50,15 @@ def _pad_last(x, size: int):
 
 
 def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
-                   log_g: LogGates | None) -> Outputs:
-    """Causal gated sympow attention, float32 [B, T, Hq, E]; see the module docstring."""
+                   log_g: LogGates | None, attention=vjps.attention,
+                   min_length: int = 16) -> Outputs:
+    """Causal gated sympow attention, float32 [B, T, Hq, E]; see the module docstring.
+    ``attention``: the attention primitive (plan, q, k, v, a) -> (o, den, m) (the Hopper
+    tier passes its own); T runs padded to at least ``min_length`` rows."""
     t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
-    plan = make_form_plan(config.p, padded_width(d), padded_width(e), padded_width(t),
-                          jnp.dtype(q.dtype).name, config.interpret)
+    plan = make_form_plan(config.p, padded_width(d), padded_width(e),
+                          max(min_length, padded_width(t)), jnp.dtype(q.dtype).name,
+                          config.interpret)
     if isinstance(plan, str):
         _log_fallback(plan)
         return blocked_attention(q, k, v, log_g, p=config.p, block=default_block_size(t))
@@ -64,5 +68,5 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
     vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
-    o, den, _ = vjps.attention(plan, qc, kc, vc, a)  # m: a row max, no gradient
+    o, den, _ = attention(plan, qc, kc, vc, a)  # m: a row max, no gradient
     return from_chunks(safe_divide(o, den), t)[..., :e]

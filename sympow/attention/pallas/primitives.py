@@ -38,8 +38,10 @@ def _pad(x, axis: int, size: int, mode: str = "constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-def primitives(config: AttentionConfig) -> ChunkPrimitives:
-    """ChunkPrimitives of the Pallas tier for a resolved AttentionConfig.
+def primitives(config: AttentionConfig, attention=vjps.attention) -> ChunkPrimitives:
+    """ChunkPrimitives of the Pallas tier for a resolved AttentionConfig; ``attention`` is
+    the intra-chunk attention (plan, q, k, v, a) -> (o, den, m) (the Hopper tier passes its
+    own).
 
     Shapes the kernels do not take natively run padded inside each primitive, outputs sliced
     back (so states and outputs keep the caller's shapes): a value width e that is not a power
@@ -90,7 +92,7 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
         plan = plan_for(q.shape[-1], e, c, q.dtype)
         if plan is None:
             return xla.attention(q, k, v, a, p=p)
-        o, den, m = vjps.attention(plan, rows(q, plan), rows(k, plan), rows(cols(v, plan), plan),
+        o, den, m = attention(plan, rows(q, plan), rows(k, plan), rows(cols(v, plan), plan),
                               rows(a, plan))
         return o[..., :c, :e], den[..., :c], m[..., :c]
 
