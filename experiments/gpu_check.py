@@ -35,8 +35,8 @@ _ONLY = flags.DEFINE_enum("only", "all",
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
-                          "against the specification (DECODE_CASES); primitives: each Hopper "
-                          "kernel against the portable tier's on the same inputs")
+                          "against the specification (DECODE_CASES); primitives: the Hopper "
+                          "attention kernels (forward, backward) against the portable ones")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -103,13 +103,15 @@ def check_decode(testing, rng, **case):
 
 
 def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
-    """Rows (output, err, note, ok): the Hopper attention forward's y = o / den, den e^m and
-    m against the portable kernel's on the same bf16 inputs (the same function)."""
+    """Rows (output, err, note, ok): the Hopper attention kernels against the portable ones
+    on the same bf16 inputs (the same functions): the forward's y = o / den, den e^m and m,
+    and the backward's dq, dk, dv and gate cotangent da under random cotangents of o, den."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from sympow.attention.mosaic_gpu import attention_kernels as hopper
-    from sympow.attention.pallas import attention_kernels as portable
+    from sympow.attention.mosaic_gpu import vjps as hopper
+    from sympow.attention.pallas import vjps as portable
     from sympow.attention.pallas.plan import make_form_plan
 
     q, k = (rng.normal(size=(b, h, n, c, d)) / d ** 0.5 for h in (hq, hk))
@@ -119,20 +121,32 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
          "full": np.full((b, hk, n, c), -1e4), "none": np.zeros((b, hk, n, c))}[gates]
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     a = jnp.asarray(a, jnp.float32)
+    do = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), jnp.float32)
+    dden = jnp.asarray(rng.normal(size=(b, hq, n, c)), jnp.float32)
     plan = make_form_plan(p, d, e, c, "bfloat16", False)
-    head, tail = portable.block_gate_sums(a, plan)
-    want = portable.attention_fwd(q, k, v, a, head, tail, plan)
-    got = hopper.attention_fwd(q, k, v, a, head, tail, p=p)
-    (o1, den1, m1), (o2, den2, m2) = ([np.asarray(x, np.float64) for x in out]
-                                      for out in (want, got))
+    assert hopper.unsupported(plan) is None, hopper.unsupported(plan)
+
+    @jax.jit
+    def run(q, k, v, a, do, dden):
+        outs = []
+        for attention in (portable.attention, hopper._hopper_attention):
+            y, vjp = jax.vjp(lambda *x, f=attention: f(plan, *x), q, k, v, a)
+            outs.append((y, vjp((do, dden, jnp.zeros_like(dden)))))
+        return outs
+
+    ((o1, den1, m1), grads1), ((o2, den2, m2), grads2) = jax.tree.map(
+        lambda x: np.asarray(x, np.float64), run(q, k, v, a, do, dden))
+    rel = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))  # noqa: E731
+    finite = lambda *xs: all(np.all(np.isfinite(x)) for x in xs)  # noqa: E731
     y1, y2 = o1 / den1[..., None], o2 / den2[..., None]
     t1, t2 = den1 * np.exp(m1), den2 * np.exp(m2)
-    rel = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))  # noqa: E731
     m_err = float(np.max(np.abs(m1 - m2) / np.maximum(1.0, np.abs(m1))))
-    finite = all(np.all(np.isfinite(x)) for x in (o2, den2, m2))
-    return [("y", rel(y2, y1), "tol 1e-2", finite and rel(y2, y1) <= 1e-2),
-            ("den", rel(t2, t1), "tol 1e-4 (den e^m)", finite and rel(t2, t1) <= 1e-4),
-            ("m", m_err, "tol 1e-5", finite and m_err <= 1e-5)]
+    rows = [("y", rel(y2, y1), "tol 1e-2", finite(y2) and rel(y2, y1) <= 1e-2),
+            ("den", rel(t2, t1), "tol 1e-4 (den e^m)", finite(t2) and rel(t2, t1) <= 1e-4),
+            ("m", m_err, "tol 1e-5", finite(m2) and m_err <= 1e-5)]
+    for name, x, y in zip(("dq", "dk", "dv", "da"), grads2, grads1, strict=True):
+        rows.append((name, rel(x, y), "tol 3e-2", finite(x) and rel(x, y) <= 3e-2))
+    return rows
 
 
 def main(argv):
@@ -177,7 +191,7 @@ def main(argv):
                   for shape in DECODE_CASES for b, hq, hk, d, e, p in [shape]
                   for dtype in ("float32", "bfloat16") for gated in (True, False)]
     if _ONLY.value == "primitives":
-        checks = [(("mosaic_gpu", "attention_fwd"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
+        checks = [(("mosaic_gpu", "attention"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
                    *case), "bfloat16", "primitive",
                    functools.partial(check_primitive, rng, *case)) for case in PRIMITIVE_CASES]
     if _CASES.value:

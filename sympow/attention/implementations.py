@@ -9,8 +9,8 @@ time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
                          O(T^2) in the reference
              'recurrent' the recurrence, one token at a time
   backend    'mosaic_gpu' the Hopper tier (sympow/attention/mosaic_gpu/): the attention
-                         forward in Mosaic GPU on sm90 GPUs, the rest the portable tier's
-                         kernels (a logged fallback to those where it cannot run)
+                         kernels in Mosaic GPU on sm90 GPUs, the state kernels the
+                         portable tier's (a logged fallback to those where it cannot run)
              'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
              'xla'       pure JAX, memory-conscious
              'reference' the specification forms (reference.py)

@@ -1,34 +1,32 @@
-"""The attention kernels' forward on Hopper: Mosaic GPU, wgmma, TMA, warp specialization.
+"""The attention kernels on Hopper: Mosaic GPU, wgmma, TMA, warp specialization.
 
-The same function as `sympow.attention.pallas.attention_kernels.attention_fwd` (whose module
-docstring states it: l_ij = p log|Q_i . K_j| + D_ij, the online row max m, o = sum_j w_ij
-V_j and den = sum_j w_ij with w_ij = exp(l_ij - m_i)), with the same outputs and
-conventions, so the portable tier's backward kernels take its residuals unchanged.
+The same functions as `sympow.attention.pallas.attention_kernels` (whose module docstring
+states them: l_ij = p log|Q_i . K_j| + D_ij, the online row max m, o = sum_j w_ij V_j and
+den = sum_j w_ij with w_ij = exp(l_ij - m_i); the backward's dl = w (dO . V_j + dden),
+ds = p dl / s and the gate cotangent from local sums), with the same inputs and outputs, so
+the two tiers' kernels can stand in for each other. bf16 operands, float32 accumulators.
 
-One program per 128 query rows of a chunk and query head: three warpgroups. Two compute
-warpgroups own 64 rows each (one wgmma M, one block I of the local gate sums); the third
-only issues TMA copies of the key blocks, walking from the last compute warpgroup's diagonal
-block back to the first block, `stages` blocks ahead, each slot released by both compute
-warpgroups (no shared-memory copy of k or v is read while it is being refilled). Per key
-block J a compute warpgroup runs S = Q K^T (wgmma, bf16 operands, float32 accumulator), the
-logits in base 2, the online max, W = exp2(l - m) and acc += W V (wgmma, W from registers).
+Programs (blocks.py): 128 rows, two compute warpgroups of 64 and a memory warpgroup.
+- forward and dQ: one program per 128 query rows of a chunk and query head; the ring walks
+  the key blocks (k, v, tail) from the last compute warpgroup's diagonal back to block 0.
+- dK, dV: one program per 128 key rows and kv head; the ring walks the query blocks (q, dO,
+  m, dden, head) of every query head of the group, from the first warpgroup's diagonal to
+  the end of the chunk. Each warpgroup skips the steps before its own diagonal.
 
-Decays from local sums, as the portable kernels take them: off the diagonal
-D_ij = head_i + mid_IJ + tail_j, with mid the carried sum of the block totals passed (each
-step adds one total: sums of terms <= 0, never a difference of long sums). On the diagonal
-D_ij = sum_{j<k<=i} a_k is a product: A @ N with A_ik = a_k [k <= i] (registers) and the 0/1
-matrix N_kj = [k > j] (shared memory); A is split into three bf16 parts whose products with
-N are exact, so D carries float32 accuracy relative to itself. (D as a difference of
-in-block prefix sums would lose a strong gate's size, e.g. 1e4, in every later decay of the
-block.) One such product per warpgroup and program.
+Decays from local sums: off the diagonal D_ij = head_i + mid_IJ + tail_j with mid the
+carried sum of the block totals passed (sums of terms <= 0, never differences of long
+sums); on the diagonal an exact in-block product (`blocks.decay_product`), once per
+warpgroup. The logits are kept in base 2 (one lg2 and one ex2 per score); m is stored and
+read in natural units.
 
-The logits are kept in base 2 (l2 = p log2|s| + D log2(e)): one lg2 and one ex2 per score;
-m is stored in natural units (m2 ln 2) as the backward expects.
+The dQ kernel also returns dhead (per query, dl summed over earlier key blocks) and the
+block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go
+through shared memory into the columns' layout, `block_total`), stored 64 pairs at a time;
+the dK, dV kernel returns dtail. The
+diagonal blocks' straddle sums are left to the caller (`vjps.py`).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,185 +34,157 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 64  # rows of a compute warpgroup's query block and of a key block (one wgmma M)
-COMPUTE_WGS = 2
-TILE_ROWS = ROWS * COMPUTE_WGS  # query rows of one program
-WIDTHS = (64, 128)  # d and e the kernel takes (bf16 rows of 128 or 256 bytes)
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread, after setmaxnreg
+from sympow.attention.mosaic_gpu.blocks import (
+    COL_VECTOR,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    LN2,
+    LOG2E,
+    MEMORY_REGISTERS,
+    ROW_VECTOR,
+    ROWS,
+    SQUARE,
+    TILE_ROWS,
+    VECTOR,
+    Ring,
+    by_cols,
+    by_rows,
+    decay_product,
+    indices,
+    launch,
+    row_vector,
+    smem,
+    swizzled,
+    tile,
+    write_mask,
+    zeros,
+)
+
+F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def _swizzled(shape, dtype) -> plgpu.SMEM:
-    """Shared memory for a TMA / wgmma tile: 128-byte swizzle with the tiling it implies."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+def _program(heads: int, tiles: int):
+    """(b, h, n, tile, wg) of this program: grid (tile, chunk, b * heads), longest walks
+    first (the query-side kernels' tiles are numbered from the end of the chunk)."""
+    bh = lax.axis_index("bh")
+    return (lax.div(bh, heads), lax.rem(bh, heads), lax.axis_index("chunk"),
+            lax.axis_index("tile"), lax.axis_index("wg"))
 
 
-def _rows_vector(x):
-    """A [ROWS] vector in the layout of a wgmma result's rows (one value per query)."""
-    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+def _load_own(pairs, wg, bars) -> None:
+    """Each compute warpgroup's own blocks: (GMEM slice, [COMPUTE_WGS, ...] SMEM) pairs."""
+    for (src, dst), bar in zip(pairs, bars, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[wg])
 
 
-def _by_rows(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
+def _store_own(pairs, wg) -> None:
+    """Registers -> shared memory -> GMEM: (value, [COMPUTE_WGS, ...] SMEM, GMEM slice)."""
+    for value, buf, _ in pairs:
+        buf.at[wg][...] = value
+    plgpu.commit_smem()
+    for _, buf, dst in pairs:
+        plgpu.copy_smem_to_gmem(buf.at[wg], dst)
+    plgpu.wait_smem_to_gmem(0)
 
 
-def _by_cols(x, shape):
-    return lax.broadcast_in_dim(x, shape, [1])
+def _own_scratch(*specs):
+    """[COMPUTE_WGS, ...] scratch for each spec and one barrier pair per loaded one."""
+    return tuple(smem((COMPUTE_WGS, *shape), dtype, tiled) for shape, dtype, tiled in specs)
 
 
-def _diagonal_decay(a_smem, below_smem):
-    """D [ROWS, ROWS] (float32, wgmma layout) of a diagonal block from its log gates a
-    [ROWS] in shared memory: [i, j] = sum_{j<k<=i} a_k for j <= i (module docstring)."""
-    shape = (ROWS, ROWS)
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    a = plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
-    gates = jnp.where(cols <= rows, _by_cols(a, shape), 0.0)  # [i, k]: a_k, k <= i
-    high = gates.astype(jnp.bfloat16)
-    rest = gates - high.astype(jnp.float32)  # exact in float32
-    middle = rest.astype(jnp.bfloat16)
-    low = (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16)
-
+def _scores(a_ref, b_ref):
+    """a @ b^T of two [ROWS, width] shared-memory tiles, float32 [ROWS, ROWS]."""
     def product(acc_ref):
-        for part in (low, middle, high):  # small parts first: they round least
-            plgpu.wgmma(acc_ref, part, below_smem)
+        plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
         return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
 
-    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+def _accumulate(acc, weights, b_ref):
+    """acc + weights @ b for weights in registers (cast to bf16) and b [ROWS, width]."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, weights.astype(BF16), b_ref)
+    return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _below_diagonal(below_smem) -> None:
-    """Writes N [ROWS, ROWS] bf16, N_kj = [k > j], for the diagonal product."""
-    shape = (ROWS, ROWS)
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    below_smem[...] = jnp.where(rows > cols, 1.0, 0.0).astype(jnp.bfloat16)
-    plgpu.commit_smem()  # the tensor cores read it next
+def _log_power(s, p: int):
+    return p * jnp.log2(jnp.abs(s))  # log2|0| = -inf: no weight
+
+
+# Forward and dQ: query programs walking the key blocks back from the diagonal.
+
+def _key_walk(tile, wg):
+    """(top, steps, block, first): the key block J = top - step of each step, this
+    warpgroup's query block I and the step of its diagonal."""
+    top = COMPUTE_WGS * tile + COMPUTE_WGS - 1
+    block = COMPUTE_WGS * tile + wg
+    return top, top + 1, block, top - block
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_ref, m_ref,
-                smem, loaded, freed, *, p: int, groups: int, stages: int, tiles: int):
-    q_smem, k_smem, v_smem, tl_smem, a_smem, hd_smem, below_smem, o_smem, den_smem, m_smem = smem
-    q_bar, a_bar, hd_bar, k_bar, tl_bar, v_bar = loaded
-    k_free, v_free = freed
-    heads = q_ref.shape[1]
-    tile = tiles - 1 - lax.axis_index("tile")  # the longest walks start first
-    n, bh, wg = lax.axis_index("chunk"), lax.axis_index("bh"), lax.axis_index("wg")
-    b, hq = lax.div(bh, heads), lax.rem(bh, heads)
+                own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p, groups, tiles):
+    b, hq, n, tile, wg = _program(q_ref.shape[1], tiles)
     hk = lax.div(hq, groups)
-    top = COMPUTE_WGS * tile + COMPUTE_WGS - 1  # the last compute warpgroup's diagonal block
-    steps = top + 1  # key blocks top, top - 1, ..., 0
-
-    def key_rows(step):
-        return pl.ds((top - step) * ROWS, ROWS)
+    top, steps, block, first = _key_walk(tiles - 1 - tile, wg)
+    ring = Ring(ring_arrays, ring_loaded, ring_freed)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        block = COMPUTE_WGS * tile + wg  # I: this warpgroup's query block
-        own = pl.ds(block * ROWS, ROWS)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, hq, n, own], q_smem.at[wg], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(a_ref.at[b, hk, n, own], a_smem.at[wg], a_bar.at[wg])
-        plgpu.copy_gmem_to_smem(hd_ref.at[b, hk, n, own], hd_smem.at[wg], hd_bar.at[wg])
-        _below_diagonal(below_smem.at[wg])
-        for bar in (q_bar, a_bar, hd_bar):
-            plgpu.barrier_wait(bar.at[wg])
-        shape = (ROWS, ROWS)
-        diag_decay = _diagonal_decay(a_smem.at[wg], below_smem.at[wg]) * LOG2E
-        head = plgpu.load(hd_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1)) * LOG2E
-        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        causal = cols <= rows
+        q_smem, a_smem, hd_smem, ones_smem = own
+        rows_of = pl.ds(block * ROWS, ROWS)
+        _load_own([(q_ref.at[b, hq, n, rows_of], q_smem), (a_ref.at[b, hk, n, rows_of], a_smem),
+                   (hd_ref.at[b, hk, n, rows_of], hd_smem)], wg, own_bars)
+        write_mask(ones_smem.at[wg], lambda k, j: k > j)
+        diagonal = decay_product(a_smem.at[wg], lambda i, k: k <= i, ones_smem.at[wg]) * LOG2E
+        head = plgpu.load(hd_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        rows, cols = indices()
+        pl.when(first > 0)(lambda: ring.skip(0))
 
-        def release(slot):
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-
-        @pl.when(block < top)  # the key block above this warpgroup's diagonal: not needed,
-        def _skip():  # but waited for, so that every barrier's phase stays in step
-            for bar in (k_bar, tl_bar, v_bar):
-                plgpu.barrier_wait(bar.at[0])
-            release(0)
-
-        def visit(step, carry, diagonal: bool):
+        def visit(step, carry, on_diagonal: bool):
             acc, m2, den, mid = carry
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(tl_bar.at[slot])
-
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))  # [ROWS, ROWS]
-            if diagonal:
-                decay = diag_decay
+            slot = ring.slot(step)
+            s = _scores(q_smem.at[wg], ring.wait(slot, 0))
+            tail_smem = ring.wait(slot, 2)  # waited on every step: the barrier phases
+            if on_diagonal:
+                decay = diagonal
             else:
-                tail = plgpu.load(tl_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                decay = _by_rows(head, shape) + _by_cols((tail + mid) * LOG2E, shape)
-            plgpu.barrier_arrive(k_free.at[slot])  # k and the tail are read
-            logit = p * jnp.log2(jnp.abs(s)) + decay  # log2|0| = -inf: no weight
-            if diagonal:
-                logit = jnp.where(causal, logit, -jnp.inf)
+                tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
+                decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
+            logit = _log_power(s, p) + decay
+            if on_diagonal:
+                logit = jnp.where(cols <= rows, logit, -jnp.inf)
             m_new = jnp.maximum(m2, logit.max(axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
             alpha = jnp.exp2(m2 - shift)
-            w = jnp.exp2(logit - _by_rows(shift, shape))
+            w = jnp.exp2(logit - by_rows(shift))
             den = den * alpha + w.sum(axis=1)
-            acc = acc * _by_rows(alpha, acc.shape)
-            weights = w.astype(jnp.bfloat16)
-            plgpu.barrier_wait(v_bar.at[slot])
+            acc = _accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
+            ring.release(slot)
+            return acc, m_new, den, mid + tot_ref[b, hk, n, top - step]
 
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, weights, v_smem.at[slot])
-
-            acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            key_block = top - step
-            return acc, m_new, den, mid + tot_ref[b, hk, n, key_block]
-
-        e = o_smem.shape[-1]
-        init = (plgpu.layout_cast(jnp.zeros((ROWS, e), jnp.float32), plgpu.Layout.WGMMA),
-                _rows_vector(jnp.full((ROWS,), -jnp.inf, jnp.float32)),
-                _rows_vector(jnp.zeros((ROWS,), jnp.float32)), jnp.zeros((), jnp.float32))
-        first = top - block  # the diagonal's step
-        carry = visit(first, init, diagonal=True)
-        carry = carry[:3] + (jnp.zeros((), jnp.float32),)  # mid starts after the diagonal
+        e = o_ref.shape[-1]
+        carry = visit(first, (zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0),
+                              jnp.zeros((), F32)), on_diagonal=True)
+        carry = (*carry[:3], jnp.zeros((), F32))  # mid counts the blocks after the diagonal
         acc, m2, den, _ = lax.fori_loop(first + 1, steps,
-                                        lambda s, c: visit(s, c, diagonal=False), carry)
-        o_smem.at[wg][...] = acc
-        den_smem.at[wg][...] = den
-        m_smem.at[wg][...] = jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2)
-        plgpu.commit_smem()
-        out = (b, hq, n, own)
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[out])
-        plgpu.copy_smem_to_gmem(den_smem.at[wg], den_ref.at[out])
-        plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[out])
-        plgpu.wait_smem_to_gmem(0)
+                                        lambda s, c: visit(s, c, on_diagonal=False), carry)
+        o_smem, den_smem, m_smem = out
+        dst = (b, hq, n, rows_of)
+        _store_own([(acc, o_smem, o_ref.at[dst]), (den, den_smem, den_ref.at[dst]),
+                    (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[dst])], wg)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        ring.fill(steps, lambda step: tuple(
+            x.at[b, hk, n, pl.ds((top - step) * ROWS, ROWS)] for x in (k_ref, v_ref, tl_ref)))
 
-        def fetch(step, slot):
-            src = (b, hk, n, key_rows(step))
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(tl_ref.at[src], tl_smem.at[slot], tl_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_bar.at[slot])
 
-        for step in range(stages):
-            pl.when(step < steps)(lambda step=step: fetch(step, step))
-
-        @pl.loop(stages, steps)
-        def _refill(step):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch(step, slot)
+def _block_totals(a):
+    return a.reshape(*a.shape[:-1], a.shape[-1] // ROWS, ROWS).sum(axis=-1)
 
 
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
@@ -224,38 +194,225 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     tail) over blocks of ROWS, each [B,Hk,N,C] float32."""
     b, hq, n, c, d = q.shape
     e = v.shape[-1]
-    groups = hq // k.shape[1]
     tiles = c // TILE_ROWS
-    totals = a.reshape(*a.shape[:-1], c // ROWS, ROWS).sum(axis=-1)  # [B, Hk, N, C / ROWS]
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    smem = (
-        _swizzled((COMPUTE_WGS, ROWS, d), bf16),  # q
-        _swizzled((stages, ROWS, d), bf16),  # k
-        _swizzled((stages, ROWS, e), bf16),  # v
-        plgpu.SMEM((stages, ROWS), f32),  # tail of the key block
-        plgpu.SMEM((COMPUTE_WGS, ROWS), f32),  # a of the query block (diagonal)
-        plgpu.SMEM((COMPUTE_WGS, ROWS), f32),  # head of the query block
-        _swizzled((COMPUTE_WGS, ROWS, ROWS), bf16),  # N of the diagonal product
-        _swizzled((COMPUTE_WGS, ROWS, e), f32),  # o
-        plgpu.SMEM((COMPUTE_WGS, ROWS), f32),  # den
-        plgpu.SMEM((COMPUTE_WGS, ROWS), f32),  # m
-    )
-    loaded = (*(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3)),
-              *(plgpu.Barrier(num_barriers=stages) for _ in range(3)))
-    freed = tuple(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
-                  for _ in range(2))
+    own = _own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
+    own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
+    ring = Ring.scratch([tile(d), tile(e), VECTOR], stages)
+    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *_own_scratch(VECTOR, VECTOR))
+    return launch(
+        lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
+        out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
+                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
+                  jax.ShapeDtypeStruct((b, hq, n, c), F32)],
+        scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
+        grid_names=("tile", "chunk", "bh"), args=(q, k, v, a, head, tail, _block_totals(a)))
 
-    def entry(*refs):
-        pl.run_scoped(lambda *scoped: _fwd_kernel(*refs, *scoped, p=p, groups=groups,
-                                                  stages=stages, tiles=tiles),
-                      smem, loaded, freed, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
-        out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), f32),
-                  jax.ShapeDtypeStruct((b, hq, n, c), f32),
-                  jax.ShapeDtypeStruct((b, hq, n, c), f32)],
-        grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, a, head, tail, totals)
+def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_ref, dden_ref,
+               dq_ref, dhead_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded,
+               ring_freed, out, *, p, groups, tiles):
+    b, hq, n, tile_, wg = _program(q_ref.shape[1], tiles)
+    hk = lax.div(hq, groups)
+    top, steps, block, first = _key_walk(tiles - 1 - tile_, wg)
+    ring = Ring(ring_arrays, ring_loaded, ring_freed)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        q_smem, do_smem, a_smem, hd_smem, m_smem, dden_smem, ones_smem = own
+        dq_smem, dhead_smem, sums_smem, pair_smem = out
+        rows_of = pl.ds(block * ROWS, ROWS)
+        mine = (b, hq, n, rows_of)
+        _load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
+                   (a_ref.at[b, hk, n, rows_of], a_smem), (hd_ref.at[b, hk, n, rows_of], hd_smem),
+                   (m_ref.at[mine], m_smem), (dden_ref.at[mine], dden_smem)], wg, own_bars)
+        write_mask(ones_smem.at[wg], lambda k, j: k > j)
+        diagonal = decay_product(a_smem.at[wg], lambda i, k: k <= i, ones_smem.at[wg]) * LOG2E
+        head = plgpu.load(hd_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        m2 = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        dden = plgpu.load(dden_smem.at[wg], (), layout=ROW_VECTOR)
+        slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
+        rows, cols = indices()
+        pl.when(first > 0)(lambda: ring.skip(0))
+
+        def block_total(step, row_sums):
+            """sum_i row_sums_i in every entry of a row vector: the rows' values pass
+            through shared memory into the columns' layout, whose sum stays in each warp
+            (two buffers alternate, so a step never overwrites one still being read)."""
+            buf = sums_smem.at[wg, lax.rem(step, 2)]
+            buf[...] = row_sums
+            plgpu.commit_smem()
+            return by_cols(plgpu.load(buf, (), layout=COL_VECTOR)).sum(axis=1)
+
+        def visit(step, carry, on_diagonal: bool):
+            dq, dhead, totals, mid = carry
+            slot = ring.slot(step)
+            key_block = top - step
+            k_smem = ring.wait(slot, 0)
+            s = _scores(q_smem.at[wg], k_smem)
+            tail_smem = ring.wait(slot, 2)  # waited on every step: the barrier phases
+            if on_diagonal:
+                decay = diagonal
+            else:
+                tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
+                decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
+            valid = s != 0
+            if on_diagonal:
+                valid = valid & (cols <= rows)
+            logit = jnp.where(valid, _log_power(s, p) + decay, -jnp.inf)
+            w = jnp.exp2(logit - by_rows(m2))
+            dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
+            dl = w * dw
+            ds = jnp.where(valid, p * dl / jnp.where(valid, s, 1.0), 0.0)
+            dq = _accumulate(dq, ds, k_smem)
+            ring.release(slot)
+            if not on_diagonal:  # the diagonal's pairs are the caller's straddle sums
+                row_sums = dl.sum(axis=1)
+                dhead = dhead + row_sums
+                slot_of_pair = lax.rem(key_block, ROWS)
+                totals = jnp.where(slots == slot_of_pair, block_total(step, row_sums), totals)
+
+                @pl.when(slot_of_pair == 0)  # 64 block pairs (or the first ones): stored
+                def _flush():
+                    _store_own([(totals, pair_smem,
+                                 pairs_ref.at[b, hq, n, block, pl.ds(key_block, ROWS)])], wg)
+            return dq, dhead, totals, mid + tot_ref[b, hk, n, key_block]
+
+        d = q_ref.shape[-1]
+        carry = visit(first, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
+                              jnp.zeros((), F32)), on_diagonal=True)
+        carry = (*carry[:3], jnp.zeros((), F32))
+        dq, dhead, _, _ = lax.fori_loop(first + 1, steps,
+                                        lambda s, c: visit(s, c, on_diagonal=False), carry)
+        _store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
+                    (dhead, dhead_smem, dhead_ref.at[mine])], wg)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        ring.fill(steps, lambda step: tuple(
+            x.at[b, hk, n, pl.ds((top - step) * ROWS, ROWS)] for x in (k_ref, v_ref, tl_ref)))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_ref, dden_ref,
+                dk_ref, dv_ref, dtail_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
+                out, *, p, groups, tiles):
+    b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
+    blocks = tiles * COMPUTE_WGS
+    start = COMPUTE_WGS * tile_  # the first query block of the walk
+    block = start + wg  # J: this warpgroup's key block
+    steps = (blocks - start) * groups  # (query block start + step // R, head step % R)
+    first = wg * groups  # this warpgroup's first diagonal step
+    ring = Ring(ring_arrays, ring_loaded, ring_freed)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        k_smem, v_smem, a_smem, tl_smem, ones_smem = own
+        dk_smem, dv_smem, dtail_smem = out
+        rows_of = pl.ds(block * ROWS, ROWS)
+        mine = (b, hk, n, rows_of)
+        _load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
+                   (tl_ref.at[mine], tl_smem)], wg, own_bars)
+        write_mask(ones_smem.at[wg], lambda k, i: k <= i)
+        # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
+        diagonal = decay_product(a_smem.at[wg], lambda j, k: k > j, ones_smem.at[wg]) * LOG2E
+        tail = plgpu.load(tl_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        rows, cols = indices()
+
+        @pl.loop(0, first)
+        def _skip(step):
+            ring.skip(step)
+
+        def visit(step, carry, on_diagonal: bool):
+            dk, dv, dtail, mid = carry
+            slot = ring.slot(step)
+            query_block = start + lax.div(step, groups)
+            q_smem = ring.wait(slot, 0)
+            s = _scores(k_smem.at[wg], q_smem)  # [keys j, queries i]
+            head_smem = ring.wait(slot, 4)  # waited on every step: the barrier phases
+            if on_diagonal:
+                decay = diagonal
+            else:
+                head = plgpu.load(head_smem, (), layout=COL_VECTOR)
+                decay = by_rows(tail) + by_cols((head + mid) * LOG2E)
+            valid = s != 0
+            if on_diagonal:
+                valid = valid & (cols >= rows)
+            logit = jnp.where(valid, _log_power(s, p) + decay, -jnp.inf)
+            m2 = plgpu.load(ring.wait(slot, 2), (), layout=COL_VECTOR) * LOG2E
+            w = jnp.exp2(logit - by_cols(m2))
+            do_smem = ring.wait(slot, 1)
+            dden = plgpu.load(ring.wait(slot, 3), (), layout=COL_VECTOR)
+            dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
+            dl = w * dw
+            ds = jnp.where(valid, p * dl / jnp.where(valid, s, 1.0), 0.0)
+            dv = _accumulate(dv, w, do_smem)
+            dk = _accumulate(dk, ds, q_smem)
+            ring.release(slot)
+            if not on_diagonal:
+                dtail = dtail + dl.sum(axis=1)
+            last_head = lax.rem(step, groups) == groups - 1
+            return dk, dv, dtail, mid + jnp.where(last_head, tot_ref[b, hk, n, query_block], 0.0)
+
+        d, e = k_ref.shape[-1], v_ref.shape[-1]
+        carry = (zeros((ROWS, d)), zeros((ROWS, e)), row_vector(0.0), jnp.zeros((), F32))
+        carry = lax.fori_loop(first, first + groups,
+                              lambda s, c: visit(s, c, on_diagonal=True), carry)
+        carry = (*carry[:3], jnp.zeros((), F32))
+        dk, dv, dtail, _ = lax.fori_loop(first + groups, steps,
+                                         lambda s, c: visit(s, c, on_diagonal=False), carry)
+        _store_own([(dk.astype(dk_ref.dtype), dk_smem, dk_ref.at[mine]),
+                    (dv.astype(dv_ref.dtype), dv_smem, dv_ref.at[mine]),
+                    (dtail, dtail_smem, dtail_ref.at[mine])], wg)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        def sources(step):
+            rows_of = pl.ds((start + lax.div(step, groups)) * ROWS, ROWS)
+            query = (b, hk * groups + lax.rem(step, groups), n, rows_of)
+            return (q_ref.at[query], do_ref.at[query], m_ref.at[query], dden_ref.at[query],
+                    hd_ref.at[b, hk, n, rows_of])
+
+        ring.fill(steps, sources)
+
+
+def attention_bwd(q, k, v, a, head, tail, m, do, dden, *, p: int, stages: int = 2):
+    """The Hopper kernels of the backward: (dq, dhead, pairs) and (dk, dv, dtail).
+
+    Inputs as `attention_fwd`'s, with its m and the cotangents do [B,Hq,N,C,E] (bfloat16)
+    and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead [B,Hq,N,C] and dtail
+    [B,Hk,N,C] float32 (module docstring); pairs [B,Hq,N,C/ROWS,P] float32 with P the
+    number of key blocks rounded up to ROWS: [I, J] the total of dl over the block pair for
+    J < I, zero for J >= I."""
+    b, hq, n, c, d = q.shape
+    hk, e = k.shape[1], v.shape[-1]
+    groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
+    slots = -(-blocks // ROWS) * ROWS
+    totals = _block_totals(a)
+    bars = lambda count: tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS)  # noqa: E731
+                               for _ in range(count))
+    args = (q, k, v, a, head, tail, totals, m, do, dden)
+    dq, dhead, pairs = launch(
+        lambda *refs: _dq_kernel(*refs, p=p, groups=groups, tiles=tiles),
+        out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
+                  jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
+        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, tile(ROWS)),
+                 bars(6), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
+                 (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
+                  *_own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR))),
+        grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
+    dk, dv, dtail = launch(
+        lambda *refs: _dkv_kernel(*refs, p=p, groups=groups, tiles=tiles),
+        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  jax.ShapeDtypeStruct(v.shape, v.dtype),
+                  jax.ShapeDtypeStruct((b, hk, n, c), F32)],
+        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars(4),
+                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR], stages),
+                 (swizzled((COMPUTE_WGS, ROWS, d), k.dtype),
+                  swizzled((COMPUTE_WGS, ROWS, e), v.dtype), *_own_scratch(VECTOR))),
+        grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"), args=args)
+    return (dq, dhead, pairs), (dk, dv, dtail)

@@ -1,0 +1,179 @@
+"""What the Hopper tier's kernels share: block sizes, shared-memory tiles, the ring of blocks
+the memory warpgroup fetches ahead, and the exact in-block decay product.
+
+Every kernel of the tier is one program per 128 rows of a chunk (two compute warpgroups of
+64 rows, one wgmma M each) plus a memory warpgroup that only issues TMA copies: it walks the
+blocks the compute warpgroups visit, `stages` steps ahead, into the slots of a `Ring`, and
+refills a slot once both compute warpgroups have released it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # rows of a compute warpgroup's block and of every streamed block (one wgmma M)
+COMPUTE_WGS = 2
+TILE_ROWS = ROWS * COMPUTE_WGS  # rows of one program
+WIDTHS = (64, 128)  # d and e the kernels take (bf16 rows of 128 or 256 bytes)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread, after setmaxnreg
+WGMMA = plgpu.Layout.WGMMA
+ROW_VECTOR = WGMMA.reduce(1)  # one value per row of a [ROWS, ROWS] wgmma result
+COL_VECTOR = WGMMA.reduce(0)  # one value per column
+SQUARE = (ROWS, ROWS)
+
+
+def swizzled(shape, dtype) -> plgpu.SMEM:
+    """Shared memory for a TMA / wgmma tile: 128-byte swizzle with the tiling it implies."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def tile(width: int, dtype=jnp.bfloat16):
+    """A [ROWS, width] block for the tensor cores (a `Ring` array spec)."""
+    return (ROWS, width), dtype, True
+
+
+VECTOR = ((ROWS,), jnp.float32, False)  # a [ROWS] float32 block (a `Ring` array spec)
+
+
+def smem(shape, dtype, tiled: bool) -> plgpu.SMEM:
+    return swizzled(shape, dtype) if tiled else plgpu.SMEM(shape, dtype)
+
+
+def by_rows(x, shape=SQUARE):
+    """A row vector (one value per row) broadcast along the columns."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def by_cols(x, shape=SQUARE):
+    """A column vector (one value per column) broadcast along the rows."""
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def indices():
+    """(rows, cols) int32 [ROWS, ROWS] in the wgmma layout."""
+    return tuple(plgpu.broadcasted_iota(jnp.int32, SQUARE, axis, layout=WGMMA)
+                 for axis in (0, 1))
+
+
+def row_vector(value: float):
+    return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32), ROW_VECTOR)
+
+
+def zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
+
+
+def write_mask(smem, mask: Callable) -> None:
+    """Writes the 0/1 bf16 matrix [r, c] = mask(r, c) to `smem` [ROWS, ROWS] for the tensor
+    cores to read."""
+    rows, cols = indices()
+    smem[...] = jnp.where(mask(rows, cols), 1.0, 0.0).astype(jnp.bfloat16)
+    plgpu.commit_smem()
+
+
+def decay_product(a_smem, a_mask: Callable, ones_smem):
+    """sum_k A[r, k] B[k, c] (float32 [ROWS, ROWS], wgmma layout) for A[r, k] = a_k where
+    a_mask(r, k) (a [ROWS] float32 in shared memory) and the 0/1 matrix B in `ones_smem`
+    (`write_mask`): an in-block decay. A is split into three bf16 parts whose products with
+    B are exact, so each sum carries float32 accuracy relative to itself (a difference of
+    in-block prefix sums would carry the ulp of the larger prefix into every decay)."""
+    rows, cols = indices()
+    a = plgpu.load(a_smem, (), layout=COL_VECTOR)
+    gates = jnp.where(a_mask(rows, cols), by_cols(a), 0.0)
+    high = gates.astype(jnp.bfloat16)
+    rest = gates - high.astype(jnp.float32)  # exact in float32
+    middle = rest.astype(jnp.bfloat16)
+    low = (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    def product(acc_ref):
+        for part in (low, middle, high):  # small parts first: they round least
+            plgpu.wgmma(acc_ref, part, ones_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Blocks of several arrays in `stages` shared-memory slots, fetched by the memory
+    warpgroup and released by both compute warpgroups (arrays: [stages, ...] refs; loaded:
+    one barrier ring per array; freed: a ring with COMPUTE_WGS arrivals)."""
+
+    arrays: Sequence
+    loaded: Sequence
+    freed: object
+
+    @property
+    def stages(self) -> int:
+        return self.arrays[0].shape[0]
+
+    @staticmethod
+    def scratch(specs: Sequence, stages: int):
+        """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
+        dtype, tiled): `tile`, `VECTOR`)."""
+        arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
+        return (arrays, tuple(plgpu.Barrier(num_barriers=stages) for _ in specs),
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages))
+
+    def fill(self, steps, sources: Callable) -> None:
+        """Memory warpgroup: the blocks `sources(step)` (GMEM refs, one per array) of steps
+        0 .. steps - 1, each into slot step % stages once both consumers freed it."""
+        def fetch(step, slot):
+            for src, dst, bar in zip(sources(step), self.arrays, self.loaded, strict=True):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+        for step in range(self.stages):
+            pl.when(step < steps)(lambda step=step: fetch(step, step))
+
+        @pl.loop(self.stages, steps)
+        def _refill(step):
+            slot = lax.rem(step, self.stages)
+            plgpu.barrier_wait(self.freed.at[slot])
+            fetch(step, slot)
+
+    def slot(self, step):
+        return lax.rem(step, self.stages)
+
+    def wait(self, slot, index: int):
+        """Array `index`'s block in `slot`, once it has landed. A consumer waits for every
+        array of every step it visits, used or not: each wait advances this thread's phase
+        bit of that barrier, so a skipped wait would leave it one phase behind when the slot
+        comes round again (a deadlock)."""
+        plgpu.barrier_wait(self.loaded[index].at[slot])
+        return self.arrays[index].at[slot]
+
+    def release(self, slot) -> None:
+        plgpu.barrier_arrive(self.freed.at[slot])
+
+    def skip(self, step) -> None:
+        """A step this warpgroup does not need: waited for (every barrier's phase stays in
+        step with the other warpgroup's) and released."""
+        slot = self.slot(step)
+        for index in range(len(self.arrays)):
+            self.wait(slot, index)
+        self.release(slot)
+
+
+def launch(body, *, out_type, scratch, grid, grid_names, args):
+    """plgpu.kernel of `body(*refs, *scratch_refs)` with COMPUTE_WGS + 1 warpgroups (axis
+    'wg'), the scratch shared by all of them."""
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(
+                            approx_math=True,
+                            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)
