@@ -16,8 +16,10 @@ Programs (blocks.py): 128 rows, two compute warpgroups of 64 and a memory warpgr
 Decays from local sums: off the diagonal D_ij = head_i + mid_IJ + tail_j with mid the
 carried sum of the block totals passed (sums of terms <= 0, never differences of long
 sums); on the diagonal an exact in-block product (`blocks.decay_product`), once per
-warpgroup. The logits are kept in base 2 (one lg2 and one ex2 per score); m is stored and
-read in natural units.
+warpgroup. The forward keeps the logits in base 2 (one lg2 and one ex2 per score) and
+stores m in natural units, and with it each row's scale c = -log2 max_j |s_ij|. The backward
+takes no logarithm and no division: w = s'^p exp2(D - m - p c) and ds = p dl / s =
+p s'^(p-1) exp2(D - m - p c) 2^c dw with s' = s 2^c (`_power_terms`), one ex2 per score.
 
 The dQ kernel also returns dhead (per query, dl summed over earlier key blocks) and the
 block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go
@@ -109,8 +111,18 @@ def _accumulate(acc, weights, b_ref):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _log_power(s, p: int):
-    return p * jnp.log2(jnp.abs(s))  # log2|0| = -inf: no weight
+def _power_terms(s, exponent, scale, p_scale, p: int):
+    """(w, ds / dw) of the backward without logarithms or divisions: with s' = s scale,
+    w = s'^p exp2(exponent) and ds / dw = p dl / (s dw) = s'^(p-1) exp2(exponent) p scale
+    (p_scale = p scale, broadcast like scale). `exponent` is decay - m - p log2(scale) in
+    base 2: the forward's row scale keeps the largest |s'| of a row near 1, so exp2 stays
+    finite for every weight that is not negligible; it is capped for the others, whose
+    s'^p underflows."""
+    e = jnp.exp2(jnp.minimum(exponent, 126.0))
+    scaled = s * scale
+    odd = scaled if p == 2 else lax.integer_pow(scaled, p - 1)
+    odd = odd * e
+    return odd * scaled, odd * p_scale
 
 
 # Forward and dQ: query programs walking the key blocks back from the diagonal.
@@ -124,7 +136,8 @@ def _key_walk(tile, wg):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_ref, m_ref,
-                own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p, groups, tiles):
+                c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p, groups,
+                tiles):
     b, hq, n, tile, wg = _program(q_ref.shape[1], tiles)
     hk = lax.div(hq, groups)
     top, steps, block, first = _key_walk(tiles - 1 - tile, wg)
@@ -144,18 +157,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
         pl.when(first > 0)(lambda: ring.skip(0))
 
         def visit(step, carry, on_diagonal: bool):
-            acc, m2, den, mid = carry
+            acc, m2, den, size, mid = carry
             slot = ring.slot(step)
             s = _scores(q_smem.at[wg], ring.wait(slot, 0))
+            magnitude = jnp.abs(s)
             tail_smem = ring.wait(slot, 2)  # waited on every step: the barrier phases
             if on_diagonal:
                 decay = diagonal
             else:
                 tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
                 decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
-            logit = _log_power(s, p) + decay
+            logit = p * jnp.log2(magnitude) + decay  # log2|0| = -inf: no weight
             if on_diagonal:
                 logit = jnp.where(cols <= rows, logit, -jnp.inf)
+                magnitude = jnp.where(cols <= rows, magnitude, 0.0)
+            size = jnp.maximum(size, magnitude.max(axis=1))
             m_new = jnp.maximum(m2, logit.max(axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
             alpha = jnp.exp2(m2 - shift)
@@ -163,18 +179,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
             den = den * alpha + w.sum(axis=1)
             acc = _accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
             ring.release(slot)
-            return acc, m_new, den, mid + tot_ref[b, hk, n, top - step]
+            return acc, m_new, den, size, mid + tot_ref[b, hk, n, top - step]
 
         e = o_ref.shape[-1]
         carry = visit(first, (zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0),
-                              jnp.zeros((), F32)), on_diagonal=True)
-        carry = (*carry[:3], jnp.zeros((), F32))  # mid counts the blocks after the diagonal
-        acc, m2, den, _ = lax.fori_loop(first + 1, steps,
-                                        lambda s, c: visit(s, c, on_diagonal=False), carry)
-        o_smem, den_smem, m_smem = out
+                              row_vector(0.0), jnp.zeros((), F32)), on_diagonal=True)
+        carry = (*carry[:4], jnp.zeros((), F32))  # mid counts the blocks after the diagonal
+        acc, m2, den, size, _ = lax.fori_loop(first + 1, steps,
+                                              lambda s, c: visit(s, c, on_diagonal=False), carry)
+        o_smem, den_smem, m_smem, c_smem = out
         dst = (b, hq, n, rows_of)
+        scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
         _store_own([(acc, o_smem, o_ref.at[dst]), (den, den_smem, den_ref.at[dst]),
-                    (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[dst])], wg)
+                    (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[dst]),
+                    (scale_exponent, c_smem, c_ref.at[dst])], wg)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -189,27 +207,28 @@ def _block_totals(a):
 
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`,
-    for q [B,Hq,N,C,D], k [B,Hk,N,C,D], v [B,Hk,N,C,E] (bfloat16; C a multiple of
-    TILE_ROWS, d and e in WIDTHS) and the log gates a with their `block_gate_sums` (head,
-    tail) over blocks of ROWS, each [B,Hk,N,C] float32."""
+    and c [B,Hq,N,C]: -log2 of the largest |Q_i . K_j| of each row (0 for none), the row
+    scale of the backward (`_power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
+    v [B,Hk,N,C,E] (bfloat16; C a multiple of TILE_ROWS, d and e in WIDTHS) and the log
+    gates a with their `block_gate_sums` (head, tail) over blocks of ROWS, each [B,Hk,N,C]
+    float32."""
     b, hq, n, c, d = q.shape
     e = v.shape[-1]
     tiles = c // TILE_ROWS
     own = _own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
     ring = Ring.scratch([tile(d), tile(e), VECTOR], stages)
-    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *_own_scratch(VECTOR, VECTOR))
+    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *_own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
         out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
-                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
-                  jax.ShapeDtypeStruct((b, hq, n, c), F32)],
+                  *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
         grid_names=("tile", "chunk", "bh"), args=(q, k, v, a, head, tail, _block_totals(a)))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_ref, dden_ref,
-               dq_ref, dhead_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded,
+def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
+               dden_ref, dq_ref, dhead_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded,
                ring_freed, out, *, p, groups, tiles):
     b, hq, n, tile_, wg = _program(q_ref.shape[1], tiles)
     hk = lax.div(hq, groups)
@@ -219,17 +238,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_re
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        q_smem, do_smem, a_smem, hd_smem, m_smem, dden_smem, ones_smem = own
+        q_smem, do_smem, a_smem, hd_smem, m_smem, c_smem, dden_smem, ones_smem = own
         dq_smem, dhead_smem, sums_smem, pair_smem = out
         rows_of = pl.ds(block * ROWS, ROWS)
         mine = (b, hq, n, rows_of)
         _load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
                    (a_ref.at[b, hk, n, rows_of], a_smem), (hd_ref.at[b, hk, n, rows_of], hd_smem),
-                   (m_ref.at[mine], m_smem), (dden_ref.at[mine], dden_smem)], wg, own_bars)
+                   (m_ref.at[mine], m_smem), (c_ref.at[mine], c_smem),
+                   (dden_ref.at[mine], dden_smem)], wg, own_bars)
         write_mask(ones_smem.at[wg], lambda k, j: k > j)
         diagonal = decay_product(a_smem.at[wg], lambda i, k: k <= i, ones_smem.at[wg]) * LOG2E
         head = plgpu.load(hd_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
-        m2 = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        c = plgpu.load(c_smem.at[wg], (), layout=ROW_VECTOR)
+        shift = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E + p * c
+        scale = jnp.exp2(c)
         dden = plgpu.load(dden_smem.at[wg], (), layout=ROW_VECTOR)
         slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
         rows, cols = indices()
@@ -256,14 +278,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_re
             else:
                 tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
                 decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
-            valid = s != 0
+            exponent = decay - by_rows(shift)
             if on_diagonal:
-                valid = valid & (cols <= rows)
-            logit = jnp.where(valid, _log_power(s, p) + decay, -jnp.inf)
-            w = jnp.exp2(logit - by_rows(m2))
+                exponent = jnp.where(cols <= rows, exponent, -jnp.inf)
+            w, dsdw = _power_terms(s, exponent, by_rows(scale), by_rows(p_scale), p)
             dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
             dl = w * dw
-            ds = jnp.where(valid, p * dl / jnp.where(valid, s, 1.0), 0.0)
+            ds = dsdw * dw
             dq = _accumulate(dq, ds, k_smem)
             ring.release(slot)
             if not on_diagonal:  # the diagonal's pairs are the caller's straddle sums
@@ -278,6 +299,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_re
                                  pairs_ref.at[b, hq, n, block, pl.ds(key_block, ROWS)])], wg)
             return dq, dhead, totals, mid + tot_ref[b, hk, n, key_block]
 
+        p_scale = scale * p
         d = q_ref.shape[-1]
         carry = visit(first, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
                               jnp.zeros((), F32)), on_diagonal=True)
@@ -294,9 +316,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_re
             x.at[b, hk, n, pl.ds((top - step) * ROWS, ROWS)] for x in (k_ref, v_ref, tl_ref)))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_ref, dden_ref,
-                dk_ref, dv_ref, dtail_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
-                out, *, p, groups, tiles):
+def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
+                dden_ref, dk_ref, dv_ref, dtail_ref, own, own_bars, ring_arrays, ring_loaded,
+                ring_freed, out, *, p, groups, tiles):
     b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
     blocks = tiles * COMPUTE_WGS
     start = COMPUTE_WGS * tile_  # the first query block of the walk
@@ -336,17 +358,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_r
             else:
                 head = plgpu.load(head_smem, (), layout=COL_VECTOR)
                 decay = by_rows(tail) + by_cols((head + mid) * LOG2E)
-            valid = s != 0
-            if on_diagonal:
-                valid = valid & (cols >= rows)
-            logit = jnp.where(valid, _log_power(s, p) + decay, -jnp.inf)
             m2 = plgpu.load(ring.wait(slot, 2), (), layout=COL_VECTOR) * LOG2E
-            w = jnp.exp2(logit - by_cols(m2))
+            c = plgpu.load(ring.wait(slot, 5), (), layout=COL_VECTOR)
+            exponent = decay - by_cols(m2 + p * c)
+            if on_diagonal:
+                exponent = jnp.where(cols >= rows, exponent, -jnp.inf)
+            scale = jnp.exp2(c)
+            w, dsdw = _power_terms(s, exponent, by_cols(scale), by_cols(p * scale), p)
             do_smem = ring.wait(slot, 1)
             dden = plgpu.load(ring.wait(slot, 3), (), layout=COL_VECTOR)
             dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
             dl = w * dw
-            ds = jnp.where(valid, p * dl / jnp.where(valid, s, 1.0), 0.0)
+            ds = dsdw * dw
             dv = _accumulate(dv, w, do_smem)
             dk = _accumulate(dk, ds, q_smem)
             ring.release(slot)
@@ -374,16 +397,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, do_r
             rows_of = pl.ds((start + lax.div(step, groups)) * ROWS, ROWS)
             query = (b, hk * groups + lax.rem(step, groups), n, rows_of)
             return (q_ref.at[query], do_ref.at[query], m_ref.at[query], dden_ref.at[query],
-                    hd_ref.at[b, hk, n, rows_of])
+                    hd_ref.at[b, hk, n, rows_of], c_ref.at[query])
 
         ring.fill(steps, sources)
 
 
-def attention_bwd(q, k, v, a, head, tail, m, do, dden, *, p: int, stages: int = 2):
+def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages: int = 2):
     """The Hopper kernels of the backward: (dq, dhead, pairs) and (dk, dv, dtail).
 
-    Inputs as `attention_fwd`'s, with its m and the cotangents do [B,Hq,N,C,E] (bfloat16)
-    and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead [B,Hq,N,C] and dtail
+    Inputs as `attention_fwd`'s, with its m and c (`scales`) and the cotangents do
+    [B,Hq,N,C,E] (bfloat16) and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead [B,Hq,N,C] and dtail
     [B,Hk,N,C] float32 (module docstring); pairs [B,Hq,N,C/ROWS,P] float32 with P the
     number of key blocks rounded up to ROWS: [I, J] the total of dl over the block pair for
     J < I, zero for J >= I."""
@@ -394,14 +417,15 @@ def attention_bwd(q, k, v, a, head, tail, m, do, dden, *, p: int, stages: int = 
     totals = _block_totals(a)
     bars = lambda count: tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS)  # noqa: E731
                                for _ in range(count))
-    args = (q, k, v, a, head, tail, totals, m, do, dden)
+    args = (q, k, v, a, head, tail, totals, m, scales, do, dden)
     dq, dhead, pairs = launch(
         lambda *refs: _dq_kernel(*refs, p=p, groups=groups, tiles=tiles),
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((b, hq, n, c), F32),
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
-        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, tile(ROWS)),
-                 bars(6), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
+        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
+                              tile(ROWS)),
+                 bars(7), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
                   *_own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR))),
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
@@ -411,7 +435,7 @@ def attention_bwd(q, k, v, a, head, tail, m, do, dden, *, p: int, stages: int = 
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32)],
         scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars(4),
-                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR], stages),
+                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), k.dtype),
                   swizzled((COMPUTE_WGS, ROWS, e), v.dtype), *_own_scratch(VECTOR))),
         grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"), args=args)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,15 @@ def attention(plan: Plan, q, k, v, a):
     return _hopper_attention(plan, q, k, v, a)
 
 
+class Residuals(NamedTuple):
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    a: jax.Array
+    m: jax.Array
+    c: jax.Array  # the rows' scale exponents (`attention_kernels.attention_fwd`)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _hopper_attention(plan: Plan, q, k, v, a):
     return _attention_fwd(plan, q, k, v, a)[0]
@@ -79,8 +89,8 @@ def _hopper_attention(plan: Plan, q, k, v, a):
 
 def _attention_fwd(plan, q, k, v, a):
     head, tail = portable_kernels.block_gate_sums(a, plan)
-    o, den, m = attention_kernels.attention_fwd(q, k, v, a, head, tail, p=plan.p)
-    return (o, den, m), portable.AttentionResiduals(q, k, v, a, m)
+    o, den, m, c = attention_kernels.attention_fwd(q, k, v, a, head, tail, p=plan.p)
+    return (o, den, m), Residuals(q, k, v, a, m, c)
 
 
 def diagonal_straddle(q, k, v, a, m, do, dden, p: int):
@@ -108,16 +118,16 @@ def diagonal_straddle(q, k, v, a, m, do, dden, p: int):
     return chunked.diagonal_straddle(w * dw).reshape(b, hq, n, c)
 
 
-def _attention_bwd(plan, res: portable.AttentionResiduals, cts):
+def _attention_bwd(plan, res: Residuals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
-    q, k, v, a, m = res
+    q, k, v, a, m, scales = res
     b, hq, n, c, _ = q.shape
     hk, rows = k.shape[1], blocks.ROWS
     nb = c // rows
     head, tail = portable_kernels.block_gate_sums(a, plan)
     do = do.astype(q.dtype)
     (dq, dhead, pairs), (dk, dv, dtail) = attention_kernels.attention_bwd(
-        q, k, v, a, head, tail, m, do, dden, p=plan.p)
+        q, k, v, a, head, tail, m, scales, do, dden, p=plan.p)
     ddiag = diagonal_straddle(q, k, v, a, m, do, dden, plan.p)
     below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]  # [I, J]: the pairs written
     pairs = jnp.where(below, pairs[..., :nb], 0.0)

@@ -36,16 +36,16 @@ def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
     text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p),
                    *operands(b, hq, hk, n, c, d, e))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    # the three outputs: o [B, Hq, N, C, E], den and m [B, Hq, N, C], float32
-    assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>, tensor<{b}x{hq}x{n}x{c}xf32>, " \
-           f"tensor<{b}x{hq}x{n}x{c}xf32>" in text
+    # the outputs: o [B, Hq, N, C, E], den, m and the row scales c [B, Hq, N, C], float32
+    rows = f"tensor<{b}x{hq}x{n}x{c}xf32>"
+    assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>, {rows}, {rows}, {rows}" in text
 
 
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
 def test_the_backward_lowers_to_two_mosaic_gpu_kernels(b, hq, hk, n, c, d, e, p):
     f32 = jnp.float32
     text = lowered(lambda *x: attention_kernels.attention_bwd(*x, p=p),
-                   *operands(b, hq, hk, n, c, d, e), ((b, hq, n, c), f32),
+                   *operands(b, hq, hk, n, c, d, e), ((b, hq, n, c), f32), ((b, hq, n, c), f32),
                    ((b, hq, n, c, e), jnp.bfloat16), ((b, hq, n, c), f32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     blocks_ = c // blocks.ROWS

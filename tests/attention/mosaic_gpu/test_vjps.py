@@ -63,24 +63,25 @@ def test_off_a_hopper_gpu_it_is_the_portable_primitive_and_says_why(rng, caplog)
     assert "the attention kernels of the portable tier run for the interpreter" in caplog.text
 
 
-def kernel_outputs_by_definition(q, k, v, a, head, tail, m, do, dden, *, p):
+def kernel_outputs_by_definition(q, k, v, a, head, tail, m, c, do, dden, *, p):
     """What the Hopper backward kernels return, from their definitions in float32 XLA:
     (dq, dhead, pairs), (dk, dv, dtail), with NaN where the dQ kernel writes no pair total
     (J >= I), as uninitialized memory might hold."""
-    b, hq, n, c, _ = q.shape
+    assert c.shape == m.shape == q.shape[:4]  # the forward's row scales, passed on
+    b, hq, n, t, _ = q.shape
     hk, rows = k.shape[1], blocks.ROWS
-    groups, nb = hq // hk, c // rows
+    groups, nb = hq // hk, t // rows
     kq, vq, aq = (jnp.repeat(x, groups, axis=1) for x in (k, v, a))
     s = jnp.einsum("bhnid,bhnjd->bhnij", q, kq)
     g = jnp.cumsum(aq, axis=-1)
-    causal = jnp.tril(jnp.ones((c, c), bool))
+    causal = jnp.tril(jnp.ones((t, t), bool))
     valid = causal & (s != 0)
     logit = jnp.where(valid, p * jnp.log(jnp.abs(jnp.where(valid, s, 1.0)))
                       + g[..., :, None] - g[..., None, :], -jnp.inf)
     w = jnp.exp(logit - m[..., None])
     dl = w * (jnp.einsum("bhnie,bhnje->bhnij", do, vq) + dden[..., None])
     ds = jnp.where(valid, p * dl / jnp.where(valid, s, 1.0), 0.0)
-    block = jnp.arange(c) // rows
+    block = jnp.arange(t) // rows
     earlier = block[:, None] > block[None, :]  # [i, j]: key block before the query block
     per_kv = lambda x: x.reshape(b, hk, groups, *x.shape[2:]).sum(axis=2)  # noqa: E731
     dq = jnp.einsum("bhnij,bhnjd->bhnid", ds, kq)
@@ -100,9 +101,10 @@ def test_the_hopper_backward_assembles_the_portable_gradients(rng, monkeypatch):
     Mosaic kernels, the Hopper primitive's outputs and gradients are the portable
     primitive's: its residuals, diagonal straddle sums, pair masking and gate cotangent
     are wired as that tier's."""
-    def portable_forward(q, k, v, a, head, tail, *, p):
-        return portable_kernels.attention_fwd(q, k, v, a, head, tail, dataclasses.replace(
-            plan, p=p))
+    def portable_forward(q, k, v, a, head, tail, *, p):  # and c, which the definitions skip
+        o, den, m = portable_kernels.attention_fwd(q, k, v, a, head, tail,
+                                                   dataclasses.replace(plan, p=p))
+        return o, den, m, jnp.full_like(m, jnp.nan)
 
     monkeypatch.setattr(attention_kernels, "attention_fwd", portable_forward)
     monkeypatch.setattr(attention_kernels, "attention_bwd", kernel_outputs_by_definition)
