@@ -34,7 +34,10 @@ attention-form kernels' time at T = 65536 (237 ms); STATE_COST the rest of the c
 kernels' time at T = 65536 (16.7 ms). The crossover for p = 2, d = e = 64 falls near
 T = 4.5k (measured: 16.7 vs 17.0 ms at 4096, 60.6 vs 16.6 ms at 16384); at p = 4, d = 64
 the chunked states (F = 992,256) put it beyond any context, so training takes the attention
-form. The xla rows use the same constants: the ratio, not measured separately.
+form. The xla rows use the same constants: the ratio, not measured separately. The Hopper
+rows take HOPPER_ATTENTION_COST for their attention kernels (measured the same way) and the
+portable STATE_COST (their state kernels are the portable ones): the attention form wins
+to about T = 9k at p = 2, d = 64 (predicted: the chunked row not yet timed on its own).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ from sympow.embedding import expanded_dim
 
 ANY_PLATFORM = None
 ATTENTION_COST = 7.18e-14  # s per causal (query, key) pair and unit of d + e
+# The Hopper tier's attention kernels, read off the same kind of run at T = 16384 (27.21 ms,
+# docs/benchmarks.md "The Hopper tier"); its chunked rows keep the portable state kernels.
+HOPPER_ATTENTION_COST = 3.30e-14
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.
@@ -64,9 +70,15 @@ STATE_COST = 1.13e-13  # s per state feature and value column, per token
 STREAM_COST = STATE_COST / 2
 
 
-def attention_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
-    """Estimated seconds per token and head of the attention form (module docstring)."""
-    return ATTENTION_COST * t / 2 * (d + e)
+def attention_cost(p: int, d: int, e: int, t: int, chunk: int | None,
+                   pair_cost: float = ATTENTION_COST) -> float:
+    """Estimated seconds per token and head of the attention form (module docstring), with
+    pair_cost the attention kernels' constant."""
+    return pair_cost * t / 2 * (d + e)
+
+
+def hopper_attention_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
+    return attention_cost(p, d, e, t, chunk, HOPPER_ATTENTION_COST)
 
 
 def streamed_state_cost(p: int, d: int, e: int) -> float:
@@ -76,10 +88,12 @@ def streamed_state_cost(p: int, d: int, e: int) -> float:
     return STREAM_COST * expanded_dim(d, p) * e
 
 
-def chunked_cost(features: Callable[[int, int], int]) -> Callable[..., float]:
-    """The chunked algorithm's estimate, with F = features(d, p) of the row's layout."""
+def chunked_cost(features: Callable[[int, int], int],
+                 pair_cost: float = ATTENTION_COST) -> Callable[..., float]:
+    """The chunked algorithm's estimate, with F = features(d, p) of the row's layout and
+    pair_cost its intra-chunk attention kernels' constant."""
     def cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
-        return STATE_COST * features(d, p) * e + ATTENTION_COST * (chunk or t) / 2 * (d + e)
+        return STATE_COST * features(d, p) * e + pair_cost * (chunk or t) / 2 * (d + e)
     return cost
 
 
@@ -142,14 +156,14 @@ def _recurrent_form(config: AttentionConfig, q, k, v, log_g):
 IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
     (row.algorithm, row.backend): row for row in (
         # The Hopper tier: GPU only (its own kernels need sm90; elsewhere it logs and runs
-        # the portable tier's). Same layouts and cost models as the portable rows.
+        # the portable tier's). The portable rows' layouts; its attention kernels' constant.
         Implementation("chunked", "mosaic_gpu", _chunked(hopper.primitives),
                        platforms=("gpu",), default_on=("gpu",), has_state=True,
                        default_chunk_size=pallas_plan.default_chunk_size,
                        cost=chunked_cost(lambda d, p: expanded_dim(
-                           d, p, pallas_plan.tile_width(d, p)))),
+                           d, p, pallas_plan.tile_width(d, p)), HOPPER_ATTENTION_COST)),
         Implementation("attention", "mosaic_gpu", _hopper_attention_form,
-                       platforms=("gpu",), default_on=("gpu",), cost=attention_cost),
+                       platforms=("gpu",), default_on=("gpu",), cost=hopper_attention_cost),
         # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,

@@ -111,7 +111,8 @@ def test_make_config_fills_the_chunk_only_for_the_chunked_algorithm():
 @pytest.mark.parametrize(("p", "d", "t", "platform", "need_state", "key"), [
     (2, 64, 1024, "gpu", False, ("attention", "mosaic_gpu")),
     (2, 64, 4096, "gpu", False, ("attention", "mosaic_gpu")),  # 16.7 vs 17.0 ms measured
-    (2, 64, 8192, "gpu", False, ("chunked", "mosaic_gpu")),
+    (2, 64, 8192, "gpu", False, ("attention", "mosaic_gpu")),  # the Hopper form: faster
+    (2, 64, 16384, "gpu", False, ("chunked", "mosaic_gpu")),
     (2, 64, 65536, "gpu", False, ("chunked", "mosaic_gpu")),
     (4, 64, 65536, "gpu", False, ("attention", "mosaic_gpu")),
     (4, 64, 1024, "gpu", True, ("attention", "mosaic_gpu")),  # + the streamed state
@@ -130,6 +131,23 @@ BENCHMARKS = Path(__file__).parents[2] / "docs" / "benchmark_data"
 # the chunked kernels (unchanged since) in the run before, same day and GPU type.
 ATTENTION_RUN = BENCHMARKS / "h100_attention_form_masked_p2_h12_2026-11-23.json"
 CHUNKED_RUN = BENCHMARKS / "h100_attention_form_p2_h12_2026-11-23.json"
+
+
+HOPPER_RUN = BENCHMARKS / "h100_hopper_attention_form_p2_h12_2026-11-24.json"
+
+
+def test_hopper_constant_reproduces_its_recorded_h100_run():
+    """The Hopper form's constant gives its time at T = 16384 of the recorded run (B T =
+    65536, H = 12, p = 2, d = e = 64) and orders it below the portable form at every T, as
+    measured."""
+    runs = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3 for r in json.loads(HOPPER_RUN.read_text())}
+    row = impls.IMPLEMENTATIONS["attention", "mosaic_gpu"]
+    portable = impls.IMPLEMENTATIONS["attention", "pallas"]
+    model = lambda r, t: r.cost(2, 64, 64, t, None) * 65536 * 12  # noqa: E731
+    assert model(row, 16384) == pytest.approx(runs["mosaic_gpu:attention", 16384], rel=0.05)
+    for t in (1024, 4096, 16384):
+        assert runs["mosaic_gpu:attention", t] < runs["pallas:attention", t]
+        assert model(row, t) < model(portable, t)
 
 
 def test_cost_constants_reproduce_the_recorded_h100_runs():

@@ -406,10 +406,10 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     """The Hopper kernels of the backward: (dq, dhead, pairs) and (dk, dv, dtail).
 
     Inputs as `attention_fwd`'s, with its m and c (`scales`) and the cotangents do
-    [B,Hq,N,C,E] (bfloat16) and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead [B,Hq,N,C] and dtail
-    [B,Hk,N,C] float32 (module docstring); pairs [B,Hq,N,C/ROWS,P] float32 with P the
-    number of key blocks rounded up to ROWS: [I, J] the total of dl over the block pair for
-    J < I, zero for J >= I."""
+    [B,Hq,N,C,E] (bfloat16) and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead
+    [B,Hq,N,C] and dtail [B,Hk,N,C] float32 (module docstring); pairs [B,Hq,N,C/ROWS,P]
+    float32 with P the number of key blocks rounded up to ROWS: [I, J] the total of dl over
+    the block pair for J < I, unwritten for J >= I (the caller masks them)."""
     b, hq, n, c, d = q.shape
     hk, e = k.shape[1], v.shape[-1]
     groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
