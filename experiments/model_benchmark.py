@@ -7,7 +7,7 @@
   PYTHONPATH=. python3 experiments/model_benchmark.py --train= \
       --forward=sympow:2:16384,conformal:2:16384 --out=$OUT    # [conformal] appendix A.5
   PYTHONPATH=. python3 experiments/model_benchmark.py --train= --startup=conformal:2:4096 \
-      --out=$OUT
+      --tokens=32768 --out=$OUT   # 8 documents a step: the embedded corpus has 11
 
 Training cases are `variant:p:context` (optionally `:microbatches`): GPT-2 small of that
 variant (the papers' settings: bf16 compute, float32 parameters, Adam 6e-4), --tokens tokens
