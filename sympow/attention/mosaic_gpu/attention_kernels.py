@@ -30,6 +30,8 @@ diagonal blocks' straddle sums are left to the caller (`vjps.py`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -127,46 +129,99 @@ def _power_terms(s, exponent, scale, p_scale, p: int):
 
 # Forward and dQ: query programs walking the key blocks back from the diagonal.
 
-def _key_walk(tile, wg):
-    """(top, steps, block, first): the key block J = top - step of each step, this
-    warpgroup's query block I and the step of its diagonal."""
-    top = COMPUTE_WGS * tile + COMPUTE_WGS - 1
-    block = COMPUTE_WGS * tile + wg
-    return top, top + 1, block, top - block
+@dataclasses.dataclass(frozen=True)
+class _KeyWalk:
+    """A query program's walk over the key blocks J = top - step (the forward's and dQ's):
+    from the last compute warpgroup's diagonal block `top` back to block 0, the ring holding
+    (k, v, tail) of each; `block` is this warpgroup's query block I, `first` the step of its
+    diagonal."""
+
+    b: jax.Array
+    hq: jax.Array
+    hk: jax.Array
+    n: jax.Array
+    wg: jax.Array
+    top: jax.Array
+    block: jax.Array
+    ring: Ring
+
+    @staticmethod
+    def of(q_ref, tiles: int, groups: int, ring: Ring) -> _KeyWalk:
+        b, hq, n, tile, wg = _program(q_ref.shape[1], tiles)
+        tile = tiles - 1 - tile  # the longest walks first
+        return _KeyWalk(b, hq, lax.div(hq, groups), n, wg, COMPUTE_WGS * tile + COMPUTE_WGS - 1,
+                        COMPUTE_WGS * tile + wg, ring)
+
+    @property
+    def steps(self):
+        return self.top + 1
+
+    @property
+    def first(self):
+        return self.top - self.block
+
+    @property
+    def rows(self):
+        """This warpgroup's query rows."""
+        return pl.ds(self.block * ROWS, ROWS)
+
+    def fill(self, k_ref, v_ref, tl_ref) -> None:
+        """The memory warpgroup's part."""
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        self.ring.fill(self.steps, lambda step: tuple(
+            x.at[self.b, self.hk, self.n, pl.ds((self.top - step) * ROWS, ROWS)]
+            for x in (k_ref, v_ref, tl_ref)))
+
+    def decays(self, a_smem, hd_smem, ones_smem):
+        """decay(slot, mid, on_diagonal) -> D log2(e) [ROWS, ROWS] of a step, from this
+        warpgroup's gates and head sums (shared memory, loaded) and the tail in the ring
+        (waited on every step, used or not: `Ring.wait`). Also passes the step above this
+        warpgroup's diagonal, if any."""
+        write_mask(ones_smem, lambda k, j: k > j)
+        diagonal = decay_product(a_smem, lambda i, k: k <= i, ones_smem) * LOG2E
+        head = plgpu.load(hd_smem, (), layout=ROW_VECTOR) * LOG2E
+        pl.when(self.first > 0)(lambda: self.ring.skip(0))
+
+        def decay(slot, mid, on_diagonal: bool):
+            tail_smem = self.ring.wait(slot, 2)
+            if on_diagonal:
+                return diagonal
+            tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
+            return by_rows(head) + by_cols((tail + mid) * LOG2E)
+
+        return decay
+
+    def run(self, visit, init):
+        """visit(step, carry, on_diagonal) over the diagonal, then the blocks before it; the
+        carry's last element is mid, restarted after the diagonal."""
+        carry = visit(self.first, init, on_diagonal=True)
+        carry = (*carry[:-1], jnp.zeros((), F32))
+        return lax.fori_loop(self.first + 1, self.steps,
+                             lambda s, c: visit(s, c, on_diagonal=False), carry)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_ref, m_ref,
                 c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p, groups,
                 tiles):
-    b, hq, n, tile, wg = _program(q_ref.shape[1], tiles)
-    hk = lax.div(hq, groups)
-    top, steps, block, first = _key_walk(tiles - 1 - tile, wg)
-    ring = Ring(ring_arrays, ring_loaded, ring_freed)
+    walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
+    b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, a_smem, hd_smem, ones_smem = own
-        rows_of = pl.ds(block * ROWS, ROWS)
-        _load_own([(q_ref.at[b, hq, n, rows_of], q_smem), (a_ref.at[b, hk, n, rows_of], a_smem),
-                   (hd_ref.at[b, hk, n, rows_of], hd_smem)], wg, own_bars)
-        write_mask(ones_smem.at[wg], lambda k, j: k > j)
-        diagonal = decay_product(a_smem.at[wg], lambda i, k: k <= i, ones_smem.at[wg]) * LOG2E
-        head = plgpu.load(hd_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        mine = (b, hq, n, walk.rows)
+        _load_own([(q_ref.at[mine], q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
+                   (hd_ref.at[b, hk, n, walk.rows], hd_smem)], wg, own_bars)
+        decay_of = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         rows, cols = indices()
-        pl.when(first > 0)(lambda: ring.skip(0))
 
         def visit(step, carry, on_diagonal: bool):
             acc, m2, den, size, mid = carry
             slot = ring.slot(step)
             s = _scores(q_smem.at[wg], ring.wait(slot, 0))
             magnitude = jnp.abs(s)
-            tail_smem = ring.wait(slot, 2)  # waited on every step: the barrier phases
-            if on_diagonal:
-                decay = diagonal
-            else:
-                tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
-                decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
+            decay = decay_of(slot, mid, on_diagonal)
             logit = p * jnp.log2(magnitude) + decay  # log2|0| = -inf: no weight
             if on_diagonal:
                 logit = jnp.where(cols <= rows, logit, -jnp.inf)
@@ -179,26 +234,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
             den = den * alpha + w.sum(axis=1)
             acc = _accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
             ring.release(slot)
-            return acc, m_new, den, size, mid + tot_ref[b, hk, n, top - step]
+            return acc, m_new, den, size, mid + tot_ref[b, hk, n, walk.top - step]
 
         e = o_ref.shape[-1]
-        carry = visit(first, (zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0),
-                              row_vector(0.0), jnp.zeros((), F32)), on_diagonal=True)
-        carry = (*carry[:4], jnp.zeros((), F32))  # mid counts the blocks after the diagonal
-        acc, m2, den, size, _ = lax.fori_loop(first + 1, steps,
-                                              lambda s, c: visit(s, c, on_diagonal=False), carry)
+        acc, m2, den, size, _ = walk.run(visit, (
+            zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0), row_vector(0.0),
+            jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
-        dst = (b, hq, n, rows_of)
+        dst = mine
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
         _store_own([(acc, o_smem, o_ref.at[dst]), (den, den_smem, den_ref.at[dst]),
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[dst]),
                     (scale_exponent, c_smem, c_ref.at[dst])], wg)
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        ring.fill(steps, lambda step: tuple(
-            x.at[b, hk, n, pl.ds((top - step) * ROWS, ROWS)] for x in (k_ref, v_ref, tl_ref)))
+    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
 
 
 def _block_totals(a):
@@ -230,32 +279,26 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
 def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
                dden_ref, dq_ref, dhead_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded,
                ring_freed, out, *, p, groups, tiles):
-    b, hq, n, tile_, wg = _program(q_ref.shape[1], tiles)
-    hk = lax.div(hq, groups)
-    top, steps, block, first = _key_walk(tiles - 1 - tile_, wg)
-    ring = Ring(ring_arrays, ring_loaded, ring_freed)
+    walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
+    b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, do_smem, a_smem, hd_smem, m_smem, c_smem, dden_smem, ones_smem = own
         dq_smem, dhead_smem, sums_smem, pair_smem = out
-        rows_of = pl.ds(block * ROWS, ROWS)
-        mine = (b, hq, n, rows_of)
+        mine = (b, hq, n, walk.rows)
         _load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
-                   (a_ref.at[b, hk, n, rows_of], a_smem), (hd_ref.at[b, hk, n, rows_of], hd_smem),
-                   (m_ref.at[mine], m_smem), (c_ref.at[mine], c_smem),
-                   (dden_ref.at[mine], dden_smem)], wg, own_bars)
-        write_mask(ones_smem.at[wg], lambda k, j: k > j)
-        diagonal = decay_product(a_smem.at[wg], lambda i, k: k <= i, ones_smem.at[wg]) * LOG2E
-        head = plgpu.load(hd_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+                   (a_ref.at[b, hk, n, walk.rows], a_smem),
+                   (hd_ref.at[b, hk, n, walk.rows], hd_smem), (m_ref.at[mine], m_smem),
+                   (c_ref.at[mine], c_smem), (dden_ref.at[mine], dden_smem)], wg, own_bars)
+        decay_of = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         c = plgpu.load(c_smem.at[wg], (), layout=ROW_VECTOR)
         shift = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E + p * c
         scale = jnp.exp2(c)
         dden = plgpu.load(dden_smem.at[wg], (), layout=ROW_VECTOR)
         slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
         rows, cols = indices()
-        pl.when(first > 0)(lambda: ring.skip(0))
 
         def block_total(step, row_sums):
             """sum_i row_sums_i in every entry of a row vector: the rows' values pass
@@ -269,16 +312,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
         def visit(step, carry, on_diagonal: bool):
             dq, dhead, totals, mid = carry
             slot = ring.slot(step)
-            key_block = top - step
+            key_block = walk.top - step
             k_smem = ring.wait(slot, 0)
             s = _scores(q_smem.at[wg], k_smem)
-            tail_smem = ring.wait(slot, 2)  # waited on every step: the barrier phases
-            if on_diagonal:
-                decay = diagonal
-            else:
-                tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
-                decay = by_rows(head) + by_cols((tail + mid) * LOG2E)
-            exponent = decay - by_rows(shift)
+            exponent = decay_of(slot, mid, on_diagonal) - by_rows(shift)
             if on_diagonal:
                 exponent = jnp.where(cols <= rows, exponent, -jnp.inf)
             w, dsdw = _power_terms(s, exponent, by_rows(scale), by_rows(p_scale), p)
@@ -296,24 +333,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
                 @pl.when(slot_of_pair == 0)  # 64 block pairs (or the first ones): stored
                 def _flush():
                     _store_own([(totals, pair_smem,
-                                 pairs_ref.at[b, hq, n, block, pl.ds(key_block, ROWS)])], wg)
+                                 pairs_ref.at[b, hq, n, walk.block, pl.ds(key_block, ROWS)])],
+                               wg)
             return dq, dhead, totals, mid + tot_ref[b, hk, n, key_block]
 
         p_scale = scale * p
         d = q_ref.shape[-1]
-        carry = visit(first, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
-                              jnp.zeros((), F32)), on_diagonal=True)
-        carry = (*carry[:3], jnp.zeros((), F32))
-        dq, dhead, _, _ = lax.fori_loop(first + 1, steps,
-                                        lambda s, c: visit(s, c, on_diagonal=False), carry)
+        dq, dhead, _, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
+                                           jnp.zeros((), F32)))
         _store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
                     (dhead, dhead_smem, dhead_ref.at[mine])], wg)
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        ring.fill(steps, lambda step: tuple(
-            x.at[b, hk, n, pl.ds((top - step) * ROWS, ROWS)] for x in (k_ref, v_ref, tl_ref)))
+    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
