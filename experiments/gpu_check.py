@@ -1,8 +1,8 @@
 """Correctness of the kernel tiers on GPU (compiled, no interpreter): the checks of the
 tests (sympow.attention.testing) at sizes up to T=16384, for every kernel row of the
-implementation table (`implementations.kernel_rows()`: today the Pallas tier's chunked
-algorithm and attention form), or those of --impls / --algorithms. Prints a table; exits
-non-zero on a failure.
+implementation table (`implementations.kernel_rows()`: the Hopper tier's and the portable
+Pallas tier's chunked algorithm and attention form), or those of --impls / --algorithms.
+Prints a table; exits non-zero on a failure.
 
   PYTHONPATH=. python3 experiments/gpu_check.py [--quick] [--json=$OUT/gpu_check.json]
 
@@ -129,7 +129,7 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     @jax.jit
     def run(q, k, v, a, do, dden):
         outs = []
-        for attention in (portable.attention, hopper._hopper_attention):
+        for attention in (portable.attention, hopper.attention):
             y, vjp = jax.vjp(lambda *x, f=attention: f(plan, *x), q, k, v, a)
             outs.append((y, vjp((do, dden, jnp.zeros_like(dden)))))
         return outs

@@ -92,15 +92,14 @@ def _attention_fwd(plan, q, k, v, a):
     return (o, den, m), AttentionResiduals(q, k, v, a, m)
 
 
-def attention_backward(plan, res: AttentionResiduals, cts):
-    """The backward of `attention` from its residuals (also the Hopper tier's)."""
+def _attention_bwd(plan, res: AttentionResiduals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
     head, tail = attention_kernels.block_gate_sums(res.a, plan)
     return attention_kernels.attention_bwd(res.q, res.k, res.v, res.a, head, tail, res.m, do,
                                            dden, plan)
 
 
-attention.defvjp(_attention_fwd, attention_backward)
+attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class QueryResiduals(NamedTuple):
