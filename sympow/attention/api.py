@@ -167,13 +167,16 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
       chunk_size: chunk C of the chunked algorithm, or the block of the blocked attention
         form; None chooses. Any T works (the tail is padded). Ignored by impl='reference'.
       impl: the backend (docs/design.md §5.1): None picks the fastest available on the
-        platform; 'pallas' (Pallas kernels; Triton on GPU, the interpreter elsewhere) |
-        'xla' (pure JAX) | 'reference' (the specification; O(T^2) memory).
+        platform; 'mosaic_gpu' (GPU only: Mosaic GPU attention kernels on a Hopper GPU, the
+        'pallas' kernels for the rest) | 'pallas' (Pallas kernels; Triton on GPU, the
+        interpreter elsewhere) | 'xla' (pure JAX) | 'reference' (the specification; O(T^2)
+        memory).
       algorithm: 'chunked' (linear in T: the chunked algorithm over per-chunk states) |
         'attention' (the attention form, quadratic in T, O(T x block) memory: flash-style
-        kernels for 'pallas', blocked pure JAX for 'xla') | None: the backend's algorithm of
-        least estimated cost for (p, d, e, T) (docs/design.md §5.1: the attention form up
-        to T ~ 4.5k at p = 2, d = e = 64; always at p = 4, d = 64).
+        kernels for 'mosaic_gpu' and 'pallas', blocked pure JAX for 'xla') | None: the
+        backend's algorithm of least estimated cost for (p, d, e, T) (docs/design.md §5.1:
+        with 'pallas' the attention form up to T ~ 4.5k at p = 2, d = e = 64, with
+        'mosaic_gpu' up to T ~ 9k; always at p = 4, d = 64).
 
     Returns:
       [B, T, Hq, E] in v's dtype (accumulated in float32).

@@ -16,8 +16,9 @@ class AttentionConfig:
 
     p: the even power. algorithm, backend: the key of the implementation in
     `implementations.IMPLEMENTATIONS` ('chunked' | 'attention' | 'recurrent', and
-    'pallas' | 'xla' | 'reference'). chunk_size: C of the chunked algorithm (None for the
-    others). interpret: run Pallas kernels in the interpreter (every platform but GPU).
+    'mosaic_gpu' | 'pallas' | 'xla' | 'reference'). chunk_size: C of the chunked algorithm
+    (None for the others). interpret: run Pallas kernels in the interpreter (every platform
+    but GPU).
     """
 
     p: int
