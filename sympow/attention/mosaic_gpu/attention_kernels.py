@@ -68,8 +68,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def _program(heads: int, tiles: int):
-    """(b, h, n, tile, wg) of this program: grid (tile, chunk, b * heads), longest walks
-    first (the query-side kernels' tiles are numbered from the end of the chunk)."""
+    """(b, h, n, tile, wg) of this program on the grid (tile, chunk, b * heads)."""
     bh = lax.axis_index("bh")
     return (lax.div(bh, heads), lax.rem(bh, heads), lax.axis_index("chunk"),
             lax.axis_index("tile"), lax.axis_index("wg"))
@@ -94,7 +93,8 @@ def _store_own(pairs, wg) -> None:
 
 
 def _own_scratch(*specs):
-    """[COMPUTE_WGS, ...] scratch for each spec and one barrier pair per loaded one."""
+    """[COMPUTE_WGS, ...] scratch for each (shape, dtype, tiled) spec: one block per compute
+    warpgroup."""
     return tuple(smem((COMPUTE_WGS, *shape), dtype, tiled) for shape, dtype, tiled in specs)
 
 
@@ -241,11 +241,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
             zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0), row_vector(0.0),
             jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
-        dst = mine
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
-        _store_own([(acc, o_smem, o_ref.at[dst]), (den, den_smem, den_ref.at[dst]),
-                    (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[dst]),
-                    (scale_exponent, c_smem, c_ref.at[dst])], wg)
+        _store_own([(acc, o_smem, o_ref.at[mine]), (den, den_smem, den_ref.at[mine]),
+                    (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
+                    (scale_exponent, c_smem, c_ref.at[mine])], wg)
 
     pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
 
