@@ -91,9 +91,14 @@ def deviations(config: dict) -> str:
     return ", ".join(found)
 
 
+def _form_parts(form: str, prefix: str = "") -> tuple[str, ...]:
+    """The parts of a form (`deviations`) that start with prefix."""
+    return tuple(part for part in form.split(", ") if part and part.startswith(prefix))
+
+
 def _clip_part(form: str) -> str:
     """The optimizer's part of a form (what a softmax baseline can share)."""
-    return ", ".join(part for part in form.split(", ") if part.startswith("clip"))
+    return ", ".join(_form_parts(form, "clip"))
 
 
 def _read_json(path: Path):
@@ -188,16 +193,12 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
     run it can apply to shares (the clipping of all runs, the gate bias of all gated runs)
     tells no runs apart: it is dropped from the forms and labels."""
     runs = [load_run(d) for d in find_runs(paths)]
-
-    def parts(run: Run, prefix: str) -> frozenset[str]:
-        return frozenset(p for p in run.form.split(", ") if p.startswith(prefix))
-
-    clips = {parts(r, "clip") for r in runs}
-    biases = {parts(r, "gate") for r in runs if r.gated}
+    clips = {_form_parts(r.form, "clip") for r in runs}
+    biases = {_form_parts(r.form, "gate") for r in runs if r.gated}
     shared = set().union(*(next(iter(s)) for s in (clips, biases) if len(s) == 1))
     trimmed = []
     for r in runs:
-        form = ", ".join(p for p in r.form.split(", ") if p and p not in shared)
+        form = ", ".join(p for p in _form_parts(r.form) if p not in shared)
         label = r.label.replace(f" ({r.form})", f" ({form})" if form else "")
         trimmed.append(dataclasses.replace(r, form=form, label=label))
     return trimmed
