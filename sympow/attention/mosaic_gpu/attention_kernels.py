@@ -51,13 +51,16 @@ from sympow.attention.mosaic_gpu.blocks import (
     TILE_ROWS,
     VECTOR,
     Ring,
+    accumulate,
     by_cols,
     by_rows,
     decay_product,
     indices,
     launch,
+    load_own,
+    own_scratch,
     row_vector,
-    smem,
+    store_own,
     swizzled,
     tile,
     write_mask,
@@ -74,43 +77,12 @@ def _program(heads: int, tiles: int):
             lax.axis_index("tile"), lax.axis_index("wg"))
 
 
-def _load_own(pairs, wg, bars) -> None:
-    """Each compute warpgroup's own blocks: (GMEM slice, [COMPUTE_WGS, ...] SMEM) pairs."""
-    for (src, dst), bar in zip(pairs, bars, strict=True):
-        plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
-    for bar in bars:
-        plgpu.barrier_wait(bar.at[wg])
-
-
-def _store_own(pairs, wg) -> None:
-    """Registers -> shared memory -> GMEM: (value, [COMPUTE_WGS, ...] SMEM, GMEM slice)."""
-    for value, buf, _ in pairs:
-        buf.at[wg][...] = value
-    plgpu.commit_smem()
-    for _, buf, dst in pairs:
-        plgpu.copy_smem_to_gmem(buf.at[wg], dst)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _own_scratch(*specs):
-    """[COMPUTE_WGS, ...] scratch for each (shape, dtype, tiled) spec: one block per compute
-    warpgroup."""
-    return tuple(smem((COMPUTE_WGS, *shape), dtype, tiled) for shape, dtype, tiled in specs)
-
-
 def _scores(a_ref, b_ref):
     """a @ b^T of two [ROWS, width] shared-memory tiles, float32 [ROWS, ROWS]."""
     def product(acc_ref):
         plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
         return acc_ref[...]
     return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
-
-
-def _accumulate(acc, weights, b_ref):
-    """acc + weights @ b for weights in registers (cast to bf16) and b [ROWS, width]."""
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, weights.astype(BF16), b_ref)
-    return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
 def _power_terms(s, exponent, scale, p_scale, p: int):
@@ -211,7 +183,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, a_smem, hd_smem, ones_smem = own
         mine = (b, hq, n, walk.rows)
-        _load_own([(q_ref.at[mine], q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
+        load_own([(q_ref.at[mine], q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem)], wg, own_bars)
         decay_of = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         rows, cols = indices()
@@ -232,7 +204,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
             alpha = jnp.exp2(m2 - shift)
             w = jnp.exp2(logit - by_rows(shift))
             den = den * alpha + w.sum(axis=1)
-            acc = _accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
+            acc = accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
             ring.release(slot)
             return acc, m_new, den, size, mid + tot_ref[b, hk, n, walk.top - step]
 
@@ -242,7 +214,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
             jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
-        _store_own([(acc, o_smem, o_ref.at[mine]), (den, den_smem, den_ref.at[mine]),
+        store_own([(acc, o_smem, o_ref.at[mine]), (den, den_smem, den_ref.at[mine]),
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
                     (scale_exponent, c_smem, c_ref.at[mine])], wg)
 
@@ -263,10 +235,10 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     b, hq, n, c, d = q.shape
     e = v.shape[-1]
     tiles = c // TILE_ROWS
-    own = _own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
+    own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
     ring = Ring.scratch([tile(d), tile(e), VECTOR], stages)
-    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *_own_scratch(VECTOR, VECTOR, VECTOR))
+    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
         out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
@@ -287,7 +259,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
         q_smem, do_smem, a_smem, hd_smem, m_smem, c_smem, dden_smem, ones_smem = own
         dq_smem, dhead_smem, sums_smem, pair_smem = out
         mine = (b, hq, n, walk.rows)
-        _load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
+        load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
                    (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem), (m_ref.at[mine], m_smem),
                    (c_ref.at[mine], c_smem), (dden_ref.at[mine], dden_smem)], wg, own_bars)
@@ -321,7 +293,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
             dl = w * dw
             ds = dsdw * dw
-            dq = _accumulate(dq, ds, k_smem)
+            dq = accumulate(dq, ds, k_smem)
             ring.release(slot)
             if not on_diagonal:  # the diagonal's pairs are the caller's straddle sums
                 row_sums = dl.sum(axis=1)
@@ -331,7 +303,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
 
                 @pl.when(slot_of_pair == 0)  # 64 block pairs (or the first ones): stored
                 def _flush():
-                    _store_own([(totals, pair_smem,
+                    store_own([(totals, pair_smem,
                                  pairs_ref.at[b, hq, n, walk.block, pl.ds(key_block, ROWS)])],
                                wg)
             return dq, dhead, totals, mid + tot_ref[b, hk, n, key_block]
@@ -340,7 +312,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
         d = q_ref.shape[-1]
         dq, dhead, _, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
                                            jnp.zeros((), F32)))
-        _store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
+        store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
                     (dhead, dhead_smem, dhead_ref.at[mine])], wg)
 
     pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
@@ -364,7 +336,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
         dk_smem, dv_smem, dtail_smem = out
         rows_of = pl.ds(block * ROWS, ROWS)
         mine = (b, hk, n, rows_of)
-        _load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
+        load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
                    (tl_ref.at[mine], tl_smem)], wg, own_bars)
         write_mask(ones_smem.at[wg], lambda k, i: k <= i)
         # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
@@ -400,8 +372,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
             dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
             dl = w * dw
             ds = dsdw * dw
-            dv = _accumulate(dv, w, do_smem)
-            dk = _accumulate(dk, ds, q_smem)
+            dv = accumulate(dv, w, do_smem)
+            dk = accumulate(dk, ds, q_smem)
             ring.release(slot)
             if not on_diagonal:
                 dtail = dtail + dl.sum(axis=1)
@@ -415,7 +387,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
         carry = (*carry[:3], jnp.zeros((), F32))
         dk, dv, dtail, _ = lax.fori_loop(first + groups, steps,
                                          lambda s, c: visit(s, c, on_diagonal=False), carry)
-        _store_own([(dk.astype(dk_ref.dtype), dk_smem, dk_ref.at[mine]),
+        store_own([(dk.astype(dk_ref.dtype), dk_smem, dk_ref.at[mine]),
                     (dv.astype(dv_ref.dtype), dv_smem, dv_ref.at[mine]),
                     (dtail, dtail_smem, dtail_ref.at[mine])], wg)
 
@@ -453,20 +425,20 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((b, hq, n, c), F32),
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
-        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
+        scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
                               tile(ROWS)),
                  bars(7), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
-                  *_own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR))),
+                  *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR))),
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
     dk, dv, dtail = launch(
         lambda *refs: _dkv_kernel(*refs, p=p, groups=groups, tiles=tiles),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32)],
-        scratch=(_own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars(4),
+        scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars(4),
                  *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), k.dtype),
-                  swizzled((COMPUTE_WGS, ROWS, e), v.dtype), *_own_scratch(VECTOR))),
+                  swizzled((COMPUTE_WGS, ROWS, e), v.dtype), *own_scratch(VECTOR))),
         grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"), args=args)
     return (dq, dhead, pairs), (dk, dv, dtail)

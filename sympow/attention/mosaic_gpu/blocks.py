@@ -105,6 +105,37 @@ def decay_product(a_smem, a_mask: Callable, ones_smem):
     return pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
 
 
+def load_own(pairs, wg, bars) -> None:
+    """Each compute warpgroup's own blocks: (GMEM slice, [COMPUTE_WGS, ...] SMEM) pairs."""
+    for (src, dst), bar in zip(pairs, bars, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[wg])
+
+
+def store_own(pairs, wg) -> None:
+    """Registers -> shared memory -> GMEM: (value, [COMPUTE_WGS, ...] SMEM, GMEM slice)."""
+    for value, buf, _ in pairs:
+        buf.at[wg][...] = value
+    plgpu.commit_smem()
+    for _, buf, dst in pairs:
+        plgpu.copy_smem_to_gmem(buf.at[wg], dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def own_scratch(*specs):
+    """[COMPUTE_WGS, ...] scratch for each (shape, dtype, tiled) spec: one block per compute
+    warpgroup."""
+    return tuple(smem((COMPUTE_WGS, *shape), dtype, tiled) for shape, dtype, tiled in specs)
+
+
+def accumulate(acc, weights, b_ref):
+    """acc + weights @ b for weights in registers (cast to bf16) and b [ROWS, width]."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, weights.astype(jnp.bfloat16), b_ref)
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
 @dataclasses.dataclass(frozen=True)
 class Ring:
     """Blocks of several arrays in `stages` shared-memory slots, fetched by the memory
