@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 experiments/benchmark.py --out=$OUT          # the sweep
   PYTHONPATH=. python3 experiments/benchmark.py --breakdown         # per-kernel, T=65536 H=8
+  PYTHONPATH=. python3 experiments/benchmark.py --breakdown --tier=mosaic_gpu --roofline
   PYTHONPATH=. python3 experiments/benchmark.py --form_variants='','attn_bq=128' --heads=12
 
 Sweep: bf16, B*T = 65536, T in --ts, H in --heads, d = e = 64, p = 2, gating on (sympow),
@@ -33,6 +34,10 @@ _CHUNK = flags.DEFINE_integer("chunk", None, "sympow chunk size (None: the impl'
 _OUT = flags.DEFINE_string("out", None, "directory for benchmark.json / benchmark.png")
 _CASE = flags.DEFINE_string("case", None, "internal: impl,T,H of one case (prints JSON)")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "per-kernel times at --ts[-1], --heads[0]")
+_TIER = flags.DEFINE_enum("tier", "pallas", ["pallas", "mosaic_gpu"],
+                          "breakdown: the primitives of this backend")
+_ROOFLINE = flags.DEFINE_bool("roofline", False, "breakdown: also time a bf16 matmul and a "
+                              "copy, the machine's measured peak and copy rate")
 _VARIANTS = flags.DEFINE_list(
     "variants", [""], "breakdown: plan overrides to compare, each 'field=value;...' with "
     "fields of sympow.attention.pallas.plan.Plan (and chunk=)")
@@ -157,20 +162,24 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
 
     from sympow.attention.api import make_config
     from sympow.attention.chunked import normalize_queries_and_keys, to_chunks
+    from sympow.attention.mosaic_gpu import primitives as hopper
+    from sympow.attention.mosaic_gpu import states
     from sympow.attention.pallas import primitives
 
     jax.clear_caches()  # the public API's jit would reuse the previous variant's kernels
     chunk = override_plans(spec) or _CHUNK.value
-    config = make_config(t, 2, chunk, "pallas", "chunked")
+    tier = _TIER.value
+    config = make_config(t, 2, chunk, tier, "chunked")
     c = config.chunk_size
     q, k, v, log_g, _ = make_inputs(t, h)
     n = t // c
     q, k, _ = normalize_queries_and_keys(q, k)
     qc, kc, vc = (to_chunks(x, n, c) for x in (q, k, v))
     g = jnp.cumsum(to_chunks(log_g, n, c), axis=-1)
-    prims = primitives.primitives(config)
+    prims = (hopper if tier == "mosaic_gpu" else primitives).primitives(config)
     plan = primitives.make_plan(2, D, D, c, "bfloat16", config.interpret)
-    f_dim, b = plan.features, _TOKENS.value // t
+    square = tier == "mosaic_gpu" and states.unsupported(config, D, D, c, "bfloat16") is None
+    f_dim, b = D * D if square else plan.features, _TOKENS.value // t
     s, z = jax.jit(lambda k, v, g: prims.update_state(k, v, g, p=2))(kc, vc, g)
     s_in, z_in, *_ = jax.jit(prims.prefix_sum)(s, z, g[..., -1])
     o, den, m = jax.jit(lambda *a: prims.attention(*a, p=2))(qc, kc, vc, g)
@@ -184,8 +193,9 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
         ("query_state", lambda *a: prims.query_state(*a, p=2),
          (qc, s_in, z_in, g, o, den, m), state_flop, 2),
     ]
-    print(f"breakdown [{spec}] T={t} H={h} B={b} C={c} F={f_dim} tile={plan.tile} "
-          f"states {state_bytes / 2**30:.2f} GiB per pass")
+    print(f"breakdown {tier} [{spec}] T={t} H={h} B={b} C={c} F={f_dim} "
+          f"{'square' if square else f'tile={plan.tile}'} states "
+          f"{state_bytes / 2**30:.2f} GiB per pass (rates: executed products of this F)")
     rows = []
     for name, fn, args, flop, bwd_factor in items:
         out = jax.eval_shape(fn, *args)
@@ -202,10 +212,28 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
         print(f"  {name:13s} fwd {f_ms:7.2f} ms ({rate(flop, f_ms)})   bwd {fb_ms - f_ms:7.2f} ms "
               f"({rate(flop and flop * bwd_factor, fb_ms - f_ms)})")
         rows.append(dict(name=name, fwd_ms=f_ms, bwd_ms=fb_ms - f_ms))
-    whole = run_case("pallas", t, h, chunk=c)
+    whole = run_case(f"{tier}:chunked", t, h, chunk=c)
     print(f"  whole call    fwd {whole['fwd_ms']:7.2f} ms   fwd+bwd {whole['fwd_bwd_ms']:7.2f} ms",
           flush=True)
-    return dict(spec=spec, chunk=c, rows=rows, whole=whole)
+    return dict(spec=spec, tier=tier, chunk=c, features=f_dim, rows=rows, whole=whole)
+
+
+def roofline(n: int = 8192, copy_gib: float = 2.0) -> dict:
+    """The machine's measured bf16 matmul rate ([n, n] x [n, n], float32 accumulation) and
+    copy rate (read + write of a copy_gib array), for the rates of the breakdown."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    mm_ms = timed(jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32)), a,
+                  reps=_REPS.value)
+    x = jnp.ones((int(copy_gib * 2**30) // 4,), jnp.float32)
+    copy_ms = timed(jax.jit(lambda x: x * 2.0), x, reps=_REPS.value)
+    row = dict(matmul_tflops=2 * n ** 3 / mm_ms / 1e9, copy_gbs=2 * x.nbytes / copy_ms / 1e6,
+               matmul_n=n, copy_gib=copy_gib)
+    print(f"roofline: bf16 matmul {row['matmul_tflops']:.0f} TFLOP/s ({n}^3), copy "
+          f"{row['copy_gbs']:.0f} GB/s ({copy_gib} GiB read + written)", flush=True)
+    return row
 
 
 def impls() -> list[str]:
@@ -294,6 +322,7 @@ def main(argv):
         print(json.dumps(run_case(impl, int(t), int(h))))
     elif _BREAKDOWN.value:
         results = []
+        peak = roofline() if _ROOFLINE.value else None
         for spec in _VARIANTS.value:
             try:
                 results.append(breakdown(int(_TS.value[-1]), int(_HEADS.value[0]), spec))
@@ -308,7 +337,8 @@ def main(argv):
                 + f" {res['whole']['fwd_ms']:6.2f} {res['whole']['fwd_bwd_ms']:7.2f}")
         if _OUT.value:
             Path(_OUT.value).mkdir(parents=True, exist_ok=True)
-            Path(_OUT.value, "breakdown.json").write_text(json.dumps(results, indent=1))
+            Path(_OUT.value, "breakdown.json").write_text(json.dumps(
+                dict(roofline=peak, variants=results), indent=1))
     elif _FORM_VARIANTS.value is not None:
         rows = []
         for spec in _FORM_VARIANTS.value:

@@ -36,7 +36,8 @@ _ONLY = flags.DEFINE_enum("only", "all",
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
                           "against the specification (DECODE_CASES); primitives: the Hopper "
-                          "attention kernels (forward, backward) against the portable ones")
+                          "attention kernels (forward, backward) against the portable ones "
+                          "and its state kernels against their definitions")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -52,6 +53,10 @@ CASES = [
     (dict(t=1024, p=4, d=16, e=64, hq=4, hk=2, chunk=64), ("float32", "bfloat16"), BOTH),
     (dict(t=512, p=4, d=32, e=32, hq=2, hk=2, b=1, chunk=128), ("float32", "bfloat16"), BOTH),
     (dict(t=16384, d=64, e=64, hq=4, hk=4, b=1, chunk=256), ("bfloat16",), BOTH),
+    # The Hopper tier's square-layout states (p = 2, d = 64, bf16, chunks of 128k): grouped
+    # heads with T not a multiple of the chunk; values padded to 64.
+    (dict(t=1500, d=64, e=64, hq=6, hk=2, chunk=128), ("bfloat16",), ("chunked",)),
+    (dict(t=600, d=64, e=32, hq=2, hk=1, chunk=256, gating=False), ("bfloat16",), ("chunked",)),
     # The attention form only: shapes whose chunked states do not fit (p = 4 at d = 64, as in
     # the papers; p = 6), and the widest heads.
     (dict(t=4096, p=4, d=64, e=64, hq=4, hk=4, b=1), ("float32", "bfloat16"), ("attention",)),
@@ -71,6 +76,11 @@ PRIMITIVE_CASES = [
     (1, 2, 2, 1, 1024, 64, 64, 2, "strong"), (1, 4, 4, 3, 512, 64, 64, 2, "full"),
     (1, 2, 1, 1, 4096, 64, 64, 4, "ordinary"), (1, 2, 2, 1, 2048, 128, 128, 2, "none"),
     (1, 2, 2, 1, 1024, 64, 128, 2, "ordinary")]
+# --only=primitives, the Hopper state kernels against their definitions: (b, hq, hk, n, c, e,
+# log-scales) with log-scales 'ordinary' (uniform in [-2, 0]) or 'full' (-5000: every row
+# scaled to 0).
+STATE_CASES = [(1, 2, 2, 1, 128, 64, "ordinary"), (2, 4, 2, 3, 512, 64, "ordinary"),
+               (1, 2, 1, 2, 256, 128, "ordinary"), (1, 2, 2, 2, 256, 64, "full")]
 ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
 # (gate history, T) of --only=precision: issue 11's three histories and 65,536 ordinary gates.
 PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 900),
@@ -149,6 +159,45 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     return rows
 
 
+def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
+    """Rows (output, err, note, ok): each Hopper state kernel against its definition in
+    float32 XLA (state_kernels.*_reference) on the same bf16 inputs: rows_to_state (S),
+    state_to_rows (y = phi(u) S) and its transposed form (g)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sympow.attention.mosaic_gpu import state_kernels as sk
+    from sympow.attention.mosaic_gpu.states import _columns
+
+    d = sk.DIM
+    x = jnp.asarray(rng.normal(size=(b, hq, n, c, d)) / d ** 0.5, jnp.bfloat16)
+    a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), jnp.bfloat16)
+    ls = (rng.uniform(-2.0, 0.0, size=(b, hq, n, c)) if scales == "ordinary"
+          else np.full((b, hq, n, c), -5000.0))
+    col = _columns(x, jnp.asarray(ls, jnp.float32))
+    xt = jnp.swapaxes(x, -1, -2)
+    s = sk.rows_to_state_reference(xt, col, a, kv_heads=hk)
+
+    @jax.jit
+    def run(xt, col, a, x, s):
+        return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
+                 sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                (sk.state_to_rows(x, col, s, transposed=False),
+                 sk.state_to_rows_reference(x, col, s, transposed=False)),
+                (sk.state_to_rows(a, col, s, transposed=True),
+                 sk.state_to_rows_reference(a, col, s, transposed=True))]
+
+    rows = []
+    for name, (got, want) in zip(("S", "y", "g"), run(xt, col, a, x, s), strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
+        ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= 1e-2)
+        rows.append((name, err, "exact 0" if scales == "full" else "tol 1e-2", ok))
+    return rows
+
+
 def main(argv):
     del argv
     import jax
@@ -173,7 +222,7 @@ def main(argv):
     if _ONLY.value == "edge":
         jobs = [job for job in jobs if job[1].t == 1]
     if _ONLY.value != "random":
-        jobs += [(impl, testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=64), dtype, kind)
+        jobs += [(impl, testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=128), dtype, kind)
                  for impl in rows for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
     # Each check: (impl, case name, dtype, kind, run() -> rows (output, err, note, ok)).
     checks = [(impl, case.name, dtype, kind,
@@ -194,6 +243,9 @@ def main(argv):
         checks = [(("mosaic_gpu", "attention"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
                    *case), "bfloat16", "primitive",
                    functools.partial(check_primitive, rng, *case)) for case in PRIMITIVE_CASES]
+        checks += [(("mosaic_gpu", "states"), "states_b{}_h{}x{}_n{}_c{}_e{}_{}".format(*case),
+                    "bfloat16", "primitive", functools.partial(check_state_kernels, rng, *case))
+                   for case in STATE_CASES]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
     with warnings.catch_warnings(record=True) as caught:

@@ -1,17 +1,20 @@
-"""The Hopper tier as the portable tier's wrappers with its own attention primitive.
+"""The Hopper tier's primitives: its own attention and state kernels, the portable tier's
+wrappers and fallbacks around them.
 
 Both algorithms take the Mosaic GPU attention kernels (`vjps.attention`, forward and
 backward): the chunked algorithm for its intra-chunk attention, the attention form for all
-of it. Every other primitive, the padding and the fallbacks are the portable tier's
-(`sympow.attention.pallas.primitives`, `sympow.attention.pallas.attention_form`); where the
-Hopper forward cannot run a problem, `vjps.attention` logs why and runs the portable one.
+of it. For p = 2 and d = 64 the chunked algorithm's state primitives are the Mosaic GPU
+ones in the square layout (`states`); every other problem runs the portable tier's
+(`sympow.attention.pallas.primitives`) with the reason logged. All three state primitives
+decide from the same shapes, so a state's layout is the same wherever it goes (the prefix
+sum tells the square layout by its d^2 features).
 """
 
 from __future__ import annotations
 
 from sympow.attention.chunked import ChunkPrimitives
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, vjps
+from sympow.attention.mosaic_gpu import blocks, states, vjps
 from sympow.attention.pallas import attention_form as portable_form
 from sympow.attention.pallas import primitives as portable_primitives
 from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
@@ -19,7 +22,30 @@ from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
 
 def primitives(config: AttentionConfig) -> ChunkPrimitives:
     """ChunkPrimitives of the Hopper tier for a resolved AttentionConfig."""
-    return portable_primitives.primitives(config, attention=vjps.attention)
+    portable = portable_primitives.primitives(config, attention=vjps.attention)
+
+    def square(x, values, dtype) -> bool:  # x [B, H, N, C, d], values [..., E]
+        reason = states.unsupported(config, x.shape[-1], values.shape[-1], x.shape[3], dtype)
+        if reason is not None:
+            states.log_fallback(reason)
+        return reason is None
+
+    def update_state_(k, v, tail, *, p):
+        if square(k, v, k.dtype):
+            return states.update_state(k, v, tail)
+        return portable.update_state(k, v, tail, p=p)
+
+    def prefix_sum_(s, z, g_last):
+        if states.is_square(s.shape[-2], config.p):
+            return states.prefix_sum(config, s, z, g_last)
+        return portable.prefix_sum(s, z, g_last)
+
+    def query_state_(q, s_in, z_in, g, o, den, m, *, p):
+        if square(q, s_in, q.dtype):
+            return states.query_state(q, s_in, z_in, g, o, den, m)
+        return portable.query_state(q, s_in, z_in, g, o, den, m, p=p)
+
+    return ChunkPrimitives(update_state_, prefix_sum_, portable.attention, query_state_)
 
 
 def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,

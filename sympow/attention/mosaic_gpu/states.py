@@ -1,0 +1,184 @@
+"""The chunked algorithm's state primitives on Hopper (p = 2, d = 64): the square layout.
+
+update_state, prefix_sum and query_state of `ChunkPrimitives`, with states in the square
+layout of `state_kernels` (F = d^2 features (i, j), weight 1). Two products carry all the
+work, each a `jax.custom_vjp` whose forward and backward are the Mosaic GPU kernels:
+
+* `state_of_rows(x, ls, a)`: S = sum_r phi(u_r) a_r^T, u = x e^ls (update_state's S, and in
+  the backward of `rows_of_state` the state cotangent);
+* `rows_of_state(x, ls, s)`: y_r = phi(u_r) S (query_state's numerator, and in the backward
+  of `state_of_rows` the cotangent of a).
+
+The normalizer states z [B, Hk, N, d^2] and the normalizer phi(u) . z are float32 XLA
+(a [C, d] x [d, d] product per chunk), differentiated by XLA; the combine with the
+intra-chunk (o, den, m) is `chunked.combine`. The prefix sum is the portable tier's kernel
+(it sees only F). The final state leaves in the tile=1 symmetric layout every tier returns,
+each feature the mean of (i, j) and its mirror (j, i): both hold the same sum, and the mean
+keeps the cotangent that comes back symmetric.
+
+Symmetry: every state and state cotangent here is symmetric in (i, j) (each is a sum of
+u (x) u terms, or a linear map of such sums), so the row gradients use the symmetric form
+d(phi(u) . M)/du = 2 M_(i, .) u (one transposed product instead of two).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sympow.attention import chunked
+from sympow.attention.config import AttentionConfig
+from sympow.attention.mosaic_gpu import blocks, state_kernels, vjps
+from sympow.attention.pallas import vjps as portable
+from sympow.attention.pallas.phi import to_symmetric_layout
+from sympow.attention.pallas.plan import padded_width, prefix_plan
+from sympow.numerics import HIGHEST
+
+logger = logging.getLogger(__name__)
+F32, BF16 = jnp.float32, jnp.bfloat16
+P = 2  # the square layout is phi for p = 2
+
+
+def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str | None:
+    """Why the Hopper state kernels cannot run a chunked problem, or None."""
+    if config.interpret:
+        return "the interpreter (the Mosaic GPU kernels run on a Hopper GPU only)"
+    if config.p != P:
+        return f"p={config.p} (the square layout is p = {P})"
+    if jnp.dtype(dtype) != BF16:
+        return f"dtype {jnp.dtype(dtype).name} (supported: bfloat16)"
+    if d != state_kernels.DIM or e > max(blocks.WIDTHS):
+        return f"d={d}, e={e} (supported: d = {state_kernels.DIM}, e <= {max(blocks.WIDTHS)})"
+    if c % blocks.TILE_ROWS:
+        return f"chunk {c} (supported: multiples of {blocks.TILE_ROWS})"
+    capability = vjps._compute_capability()
+    if capability != vjps.HOPPER:
+        return f"GPU compute capability {capability} (supported: {vjps.HOPPER})"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def log_fallback(reason: str) -> None:
+    logger.warning("sympow impl='mosaic_gpu': the state kernels of the portable tier run "
+                   "for %s", reason)
+
+
+def is_square(f: int, p: int) -> bool:
+    """Whether F features are the square layout (no tier's other layout has d^2 features)."""
+    return p == P and f == state_kernels.DIM ** 2
+
+
+def _columns(x, ls):
+    """col = x^T e^(2 ls) [B, H, N, d, C] float32: u_ri u_rj = col_ir x_rj."""
+    return jnp.swapaxes(x.astype(F32) * jnp.exp(P * ls)[..., None], -1, -2)
+
+
+def _pad_columns(x, width: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _kernel_width(e: int) -> int:
+    return max(min(blocks.WIDTHS), padded_width(e))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def state_of_rows(x, ls, a, kv_heads: int):
+    """S [B, Hk, N, d^2, E] bf16 = sum over rows and group heads of phi(x e^ls) a^T, for
+    x [B, Hx, N, C, d] bf16, ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16."""
+    return _state_of_rows_fwd(x, ls, a, kv_heads)[0]
+
+
+def _state_of_rows_fwd(x, ls, a, kv_heads):
+    s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), _columns(x, ls), a,
+                                    kv_heads=kv_heads)
+    return s, (x, ls, a)
+
+
+def _row_gradients(x, ls, rows, s):
+    """(dx, dls) of sum_r phi(u_r) . (S rows_r): dx = 2 sum_j col_jr rows_r S_j^T."""
+    dx = 2.0 * state_kernels.state_to_rows(rows, _columns(x, ls), s, transposed=True)
+    return dx.astype(x.dtype), jnp.sum(dx * x.astype(F32), axis=-1)
+
+
+def _state_of_rows_bwd(kv_heads, res, ds):
+    x, ls, a = res
+    ds = ds.astype(BF16)
+    da = state_kernels.state_to_rows(x, _columns(x, ls), ds, transposed=False)
+    return (*_row_gradients(x, ls, a, ds), da.astype(a.dtype))
+
+
+state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
+
+
+@jax.custom_vjp
+def rows_of_state(x, ls, s):
+    """y [B, Hx, N, C, E] float32 = phi(x e^ls) S, S of kv head h // (Hx / Hk)."""
+    return _rows_of_state_fwd(x, ls, s)[0]
+
+
+def _rows_of_state_fwd(x, ls, s):
+    return state_kernels.state_to_rows(x, _columns(x, ls), s, transposed=False), (x, ls, s)
+
+
+def _rows_of_state_bwd(res, dy):
+    x, ls, s = res
+    dy = dy.astype(BF16)
+    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), _columns(x, ls), dy,
+                                     kv_heads=s.shape[1])
+    return (*_row_gradients(x, ls, dy, s), ds.astype(s.dtype))
+
+
+rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
+
+
+def _normalizer_state(k, ls):
+    """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r)."""
+    u = k.astype(F32) * jnp.exp(ls)[..., None]
+    z = jnp.einsum("bhnci,bhncj->bhnij", u, u, precision=HIGHEST)
+    return z.reshape(*z.shape[:3], -1)
+
+
+def update_state(k, v, tail):
+    """`ChunkPrimitives.update_state` in the square layout (p = 2)."""
+    e = v.shape[-1]
+    ls = tail / P
+    s = state_of_rows(k, ls, _pad_columns(v, _kernel_width(e)), k.shape[1])
+    return s[..., :e], _normalizer_state(k, ls)
+
+
+@functools.lru_cache(maxsize=4)
+def _final_gather(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, mirrors, scale): tile=1 feature alpha = (i, j) is the mean of square rows
+    i d + j and j d + i, times scale."""
+    rows, scale = to_symmetric_layout(d, P, d)
+    mirrors = (rows % d) * d + rows // d
+    return rows, mirrors, scale
+
+
+def prefix_sum(config: AttentionConfig, s, z, g_last):
+    """`ChunkPrimitives.prefix_sum` in the square layout: the portable kernel, the final
+    state gathered to the tile=1 layout."""
+    f, e = s.shape[-2:]
+    s_in, z_in, s_fin, z_fin = portable.prefix_sum(
+        prefix_plan(f, config.interpret), _pad_columns(s, padded_width(e)), z, g_last)
+    rows, mirrors, scale = _final_gather(state_kernels.DIM)
+    s_fin = (s_fin[..., rows, :e] + s_fin[..., mirrors, :e]) * (0.5 * scale[:, None])
+    z_fin = (z_fin[..., rows] + z_fin[..., mirrors]) * (0.5 * scale)
+    return s_in[..., :e], z_in, s_fin, z_fin
+
+
+def query_state(q, s_in, z_in, g, o, den, m):
+    """`ChunkPrimitives.query_state` in the square layout (p = 2)."""
+    b, hq, n, c, d = q.shape
+    hk, e = g.shape[1], s_in.shape[-1]
+    per_query_head = lambda x: jnp.repeat(x, hq // hk, axis=1)  # noqa: E731
+    ls = per_query_head(g / P)
+    num = rows_of_state(q, ls, _pad_columns(s_in, _kernel_width(e)))[..., :e]
+    u = q.astype(F32) * jnp.exp(ls)[..., None]
+    zq = jnp.einsum("bhnci,bhnij->bhncj", u, per_query_head(z_in.reshape(b, hk, n, d, d)),
+                    precision=HIGHEST)
+    return chunked.combine(o, den, m, num, jnp.sum(zq * u, axis=-1))

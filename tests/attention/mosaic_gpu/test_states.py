@@ -1,0 +1,220 @@
+"""The Hopper tier's state primitives (p = 2, square layout) where a CPU can check them.
+
+The kernels lower for CUDA to one Mosaic GPU kernel each; their plain-JAX definitions are
+checked against phi written out; and with those definitions in the kernels' place, the
+custom_vjps and the whole chunked algorithm on the tier's primitives are checked against
+autodiff and the reference attention (outputs, the four gradients, the final state). The
+kernels' own numbers need a Hopper GPU: experiments/gpu_check.py compares them with the
+definitions there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sympow.attention import chunked, reference, testing, xla
+from sympow.attention.config import AttentionConfig
+from sympow.attention.mosaic_gpu import blocks, state_kernels, states
+from sympow.attention.mosaic_gpu import primitives as hopper
+from sympow.attention.pallas.plan import tiled_layout
+from tests.attention.mosaic_gpu.test_attention_kernels import lowered
+from tests.attention.pallas.helpers import compiled
+
+D = state_kernels.DIM
+BF16, F32 = jnp.bfloat16, jnp.float32
+CONFIG = AttentionConfig(p=2, algorithm="chunked", backend="mosaic_gpu", chunk_size=128,
+                         interpret=True)
+
+
+def phi(u):
+    """u (x) u over the last axis, in the square layout (feature i d + j)."""
+    return (u[..., :, None] * u[..., None, :]).reshape(*u.shape[:-1], -1)
+
+
+@pytest.fixture
+def definitions(monkeypatch):
+    """The kernels' definitions in their place, and every problem taken as supported."""
+    monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
+    monkeypatch.setattr(state_kernels, "state_to_rows", state_kernels.state_to_rows_reference)
+    monkeypatch.setattr(states, "unsupported", lambda *_: None)
+
+
+@pytest.mark.parametrize(("hq", "hk", "e"), [(2, 2, 64), (4, 2, 128)])
+def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e):
+    b, n, c = 1, 2, 256
+    rows = lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk),
+                   ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), F32), ((b, hq, n, c, e), BF16))
+    assert rows.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hk}x{n}x{D * D}x{e}xbf16>" in rows
+    for transposed, (width, out) in ((False, (D, e)), (True, (e, D))):
+        text = lowered(lambda *x, t=transposed: state_kernels.state_to_rows(*x, transposed=t),
+                       ((b, hq, n, c, width), BF16), ((b, hq, n, D, c), F32),
+                       ((b, hk, n, D * D, e), BF16))
+        assert text.count("@mosaic_gpu") == 1
+        assert f"tensor<{b}x{hq}x{n}x{c}x{out}xf32>" in text
+
+
+def test_the_definitions_are_the_products_with_phi(rng):
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
+    ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
+    a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
+    col = states._columns(x, ls)
+    u = x * jnp.exp(ls)[..., None]
+    per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
+    hi = jax.lax.Precision.HIGHEST
+    want = per_kv(jnp.einsum("bhncf,bhnce->bhnfe", phi(u), a, precision=hi))
+    got = state_kernels.rows_to_state_reference(jnp.swapaxes(x, -1, -2), col, a, kv_heads=hk)
+    assert testing.rel_err(got, want) < 2 ** -8  # the state is stored in bf16
+    s = jnp.asarray(want, F32)  # symmetric in (i, j)
+    s_q = jnp.repeat(s, hq // hk, axis=1)
+    y = state_kernels.state_to_rows_reference(x, col, s, transposed=False)
+    assert testing.rel_err(y, jnp.einsum("bhncf,bhnfe->bhnce", phi(u), s_q, precision=hi)) < 1e-6
+    # transposed: the row gradient of phi(u) . (S a) is 2 e^ls col-weighted S_j^T a products
+    g = state_kernels.state_to_rows_reference(a, col, s, transposed=True)
+    grad = jax.grad(lambda x: jnp.sum(phi(x * jnp.exp(ls)[..., None])
+                                      * jnp.einsum("bhnfe,bhnce->bhncf", s_q, a, precision=hi)))
+    assert testing.rel_err(2 * g, grad(x)) < 1e-5
+
+
+def _symmetric_state(rng, b, hk, n, e):
+    rows = jnp.asarray(rng.normal(size=(b, hk, n, 16, D)), F32)
+    return jnp.einsum("bhncf,bhnce->bhnfe", phi(rows),
+                      jnp.asarray(rng.normal(size=(b, hk, n, 16, e)), F32)).astype(BF16)
+
+
+@pytest.mark.usefixtures("definitions")
+def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), BF16)
+    ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
+    a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), BF16)
+    s = _symmetric_state(rng, b, hk, n, e)
+
+    def by_autodiff(f, args, ct):
+        return jax.vjp(f, *args)[1](ct)
+
+    def close(got, want):
+        for x_, y_ in zip(got, want, strict=True):
+            assert testing.rel_err(x_.astype(F32), y_.astype(F32)) < 1e-2  # bf16 cotangents
+
+    def state_definition(x, ls, a):
+        return state_kernels.rows_to_state_reference(jnp.swapaxes(x, -1, -2),
+                                                     states._columns(x, ls), a, kv_heads=hk)
+
+    ds = _symmetric_state(rng, b, hk, n, e)  # the cotangents a state gets are symmetric
+    close(by_autodiff(lambda *z: states.state_of_rows(*z, hk), (x, ls, a), ds),
+          by_autodiff(state_definition, (x, ls, a), ds))
+
+    def rows_definition(x, ls, s):
+        return state_kernels.state_to_rows_reference(x, states._columns(x, ls), s,
+                                                     transposed=False)
+
+    dy = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
+    close(by_autodiff(states.rows_of_state, (x, ls, s), dy),
+          by_autodiff(rows_definition, (x, ls, s), dy))
+
+
+def _forward_and_grads(f, args, dy):
+    y, vjp = jax.vjp(f, *args)
+    return (y, *vjp(dy))
+
+
+@pytest.mark.usefixtures("definitions")
+@pytest.mark.parametrize(("hq", "hk", "e", "gated"), [(4, 2, 32, True), (1, 1, 64, False)])
+def test_the_chunked_algorithm_on_the_square_states_is_the_reference(rng, hq, hk, e, gated):
+    """gold (the reference, float32 inputs) / ref (bf16 inputs) / test (the tier's
+    primitives, bf16): ||gold - test|| <= K ||gold - ref|| + ATOL ||gold|| for y and every
+    gradient, T = 300 over chunks of 128 (the last one partial), e padded to 64 inside."""
+    b, t = 1, 300
+    q, k, v, log_g, dy = testing.inputs(
+        testing.Case(t=t, d=D, e=e, hq=hq, hk=hk, b=b, chunk=128, gating=gated), rng)
+    args = (q, k, v) + ((log_g,) if gated else ())
+
+    def test_fn(q, k, v, *log_g):
+        return chunked.chunked_attention(q, k, v, *(log_g or (None,)), p=2, chunk_size=128,
+                                         primitives=hopper.primitives(CONFIG))[0]
+
+    def reference_fn(q, k, v, *log_g):
+        return reference.attention_form(q, k, v, *(log_g or (None,)), 2)
+
+    bf16 = lambda xs: tuple(x.astype(BF16) if x.ndim == 4 else x for x in xs)  # noqa: E731
+    test = compiled(lambda *x: _forward_and_grads(test_fn, x, dy))(*bf16(args))
+    ref = compiled(lambda *x: _forward_and_grads(reference_fn, x, dy))(*bf16(args))
+    gold = compiled(lambda *x: _forward_and_grads(reference_fn, x, dy))(*args)
+    for x_, y_, z_ in zip(test, ref, gold, strict=True):
+        x_, y_, z_ = (np.asarray(w, np.float64) for w in (x_, y_, z_))
+        assert np.all(np.isfinite(x_))
+        bound = testing.K_BF16 * np.linalg.norm(z_ - y_) + testing.ATOL_BF16 * np.linalg.norm(z_)
+        assert np.linalg.norm(z_ - x_) <= bound, (np.linalg.norm(z_ - x_), bound)
+
+
+@pytest.mark.usefixtures("definitions")
+def test_the_final_state_is_the_symmetric_layout_every_tier_returns(rng):
+    q, k, v, log_g, _ = testing.inputs(testing.Case(t=200, d=D, e=64, hq=2, hk=2, b=1), rng)
+    bf16 = lambda x: x.astype(BF16)  # noqa: E731
+    final = compiled(lambda *x: chunked.chunked_attention(
+        *x, p=2, chunk_size=128, primitives=hopper.primitives(CONFIG))[1])(
+        bf16(q), bf16(k), bf16(v), log_g)
+    want = compiled(lambda *x: chunked.chunked_attention(
+        *x, p=2, chunk_size=128, primitives=xla.PRIMITIVES)[1])(bf16(q), bf16(k), bf16(v), log_g)
+    for x_, y_ in zip(final, want, strict=True):
+        assert x_.shape == y_.shape  # [B, Hk, F1, E], [B, Hk, F1] with F1 = d (d + 1) / 2
+        assert testing.rel_err(x_, y_) < 2 ** -7  # bf16 per-chunk states against float32
+
+
+def test_the_final_gather_takes_the_mean_of_each_pair_and_its_mirror():
+    rows, mirrors, scale = states._final_gather(4)
+    pairs = [(r // 4, r % 4) for r in rows]
+    assert pairs == [(i, j) for i in range(4) for j in range(i, 4)]
+    assert [(m // 4, m % 4) for m in mirrors] == [(j, i) for i, j in pairs]
+    np.testing.assert_allclose(scale, [1.0 if i == j else np.sqrt(2) for i, j in pairs],
+                               rtol=1e-6)
+
+
+def test_the_square_layout_is_told_by_its_features():
+    assert states.is_square(D * D, 2)
+    assert not states.is_square(D * D, 4)
+    assert tiled_layout(D * D, 2) is None  # no portable layout has d^2 features
+
+
+@pytest.mark.parametrize(("changes", "shape", "reason"), [
+    ({"interpret": True}, (64, 64, 128, "bfloat16"), "the interpreter"),
+    ({"p": 4}, (64, 64, 128, "bfloat16"), r"p=4 \(the square layout is p = 2\)"),
+    ({}, (64, 64, 128, "float32"), r"dtype float32 \(supported: bfloat16\)"),
+    ({}, (32, 64, 128, "bfloat16"), r"d=32, e=64 \(supported: d = 64, e <= 128\)"),
+    ({}, (64, 256, 128, "bfloat16"), r"d=64, e=256"),
+    ({}, (64, 64, 64, "bfloat16"), r"chunk 64 \(supported: multiples of 128\)"),
+])
+def test_unsupported_names_the_reason(monkeypatch, changes, shape, reason):
+    from sympow.attention.mosaic_gpu import vjps
+    monkeypatch.setattr(vjps, "_compute_capability", lambda: vjps.HOPPER)
+    config = dataclasses.replace(CONFIG, **{"interpret": False, **changes})
+    assert re.search(reason, states.unsupported(config, *shape) or "")
+    monkeypatch.setattr(vjps, "_compute_capability", lambda: "8.0")
+    assert states.unsupported(dataclasses.replace(CONFIG, interpret=False), 64, 64, 128,
+                              "bfloat16") == "GPU compute capability 8.0 (supported: 9.0)"
+
+
+def test_off_a_hopper_gpu_the_portable_states_run_and_it_says_why(rng, caplog):
+    q, k, v, log_g, _ = testing.inputs(testing.Case(t=40, d=16, e=16, b=1, chunk=16), rng)
+    states.log_fallback.cache_clear()
+    config = dataclasses.replace(CONFIG, chunk_size=16)
+    with caplog.at_level(logging.WARNING):
+        got = compiled(lambda *x: chunked.chunked_attention(
+            *x, p=2, chunk_size=16, primitives=hopper.primitives(config))[0])(q, k, v, log_g)
+    portable = dataclasses.replace(config, backend="pallas")
+    from sympow.attention.pallas import primitives as pallas_primitives
+    want = compiled(lambda *x: chunked.chunked_attention(
+        *x, p=2, chunk_size=16, primitives=pallas_primitives.primitives(portable))[0])(
+        q, k, v, log_g)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "the state kernels of the portable tier run for the interpreter" in caplog.text
+    assert blocks.TILE_ROWS == 128
