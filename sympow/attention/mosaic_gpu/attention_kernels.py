@@ -241,6 +241,7 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
+        name="sympow_attention_fwd",
         out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
@@ -422,6 +423,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     args = (q, k, v, a, head, tail, totals, m, scales, do, dden)
     dq, dhead, pairs = launch(
         lambda *refs: _dq_kernel(*refs, p=p, groups=groups, tiles=tiles),
+        name="sympow_attention_dq",
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((b, hq, n, c), F32),
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
@@ -433,6 +435,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
     dk, dv, dtail = launch(
         lambda *refs: _dkv_kernel(*refs, p=p, groups=groups, tiles=tiles),
+        name="sympow_attention_dkv",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32)],

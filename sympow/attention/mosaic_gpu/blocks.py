@@ -197,12 +197,13 @@ class Ring:
         self.release(slot)
 
 
-def launch(body, *, out_type, scratch, grid, grid_names, args):
-    """plgpu.kernel of `body(*refs, *scratch_refs)` with COMPUTE_WGS + 1 warpgroups (axis
-    'wg'), the scratch shared by all of them."""
+def launch(body, *, name: str, out_type, scratch, grid, grid_names, args):
+    """plgpu.kernel `name` (what profilers show) of `body(*refs, *scratch_refs)` with
+    COMPUTE_WGS + 1 warpgroups (axis 'wg'), the scratch shared by all of them."""
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
 
+    entry.__name__ = name
     return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
                         num_threads=COMPUTE_WGS + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(

@@ -13,9 +13,10 @@ selection products):
   and, transposed, g_r = sum_j col_jr (a_r S_j^T)      (half the row gradient of phi(u) . S a).
 
 with x the raw rows (keys or queries, bf16), u = x e^ls their scaled values and
-col = x^T e^(2 ls) [D, C] in float32, so u_ri u_rj = col_ir x_rj and each product of a
-scaled column with x rounds once, to bf16, where the MMA takes it (as the portable tier's
-phi tiles do). Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
+col = x^T e^(2 ls) [D, C] in float32, so u_ri u_rj = col_ir x_rj. The operand is a bf16
+product: col rounded to bf16, times x (bf16 x bf16 is exact in float32, so the product
+rounds once more, to bf16, where the MMA takes it; no float32 copy of the block, no
+conversions). Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
 
 Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `Ring`.
 - rows_to_state: one program per (group of 2 x per_wg features i, chunk, kv head); the
@@ -42,22 +43,19 @@ from sympow.attention.mosaic_gpu.blocks import (
     ROWS,
     TILE_ROWS,
     WGMMA,
+    WIDTHS,
     Ring,
-    accumulate,
     by_cols,
     by_rows,
     launch,
     load_own,
     own_scratch,
-    store_own,
     swizzled,
     tile,
-    zeros,
 )
-from sympow.attention.mosaic_gpu.blocks import WIDTHS as _WIDTHS
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-DIM = _WIDTHS[0]  # d of the square layout: F = DIM^2 features
+DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 
 
@@ -66,7 +64,20 @@ def features_per_warpgroup(e: int) -> int:
     return ACC_COLUMNS // e
 
 
-def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 3):
+def products(acc_refs, operands, rhs) -> None:
+    """acc_refs[k] += operands[k] @ rhs for register operands built beforehand, then wait.
+
+    A running wgmma reads its A registers asynchronously, and nothing keeps a traced value
+    alive past the call that consumes it: building the next operand while a product runs
+    could reuse those registers (it did: wrong sums at E = 128). So every operand of a step
+    is built first, all products issued, and the step waits for them; the other compute
+    warpgroup's products fill the tensor cores meanwhile."""
+    for acc_ref, operand in zip(acc_refs, operands, strict=True):
+        plgpu.wgmma(acc_ref, operand, rhs)
+    plgpu.wgmma_wait(0)
+
+
+def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
     """S [B, Hk, N, D^2, E] bf16: S[(i, j)] = sum over the rows r of the chunk and the heads
     of a group of col[i, r] xt[j, r] a[r].
 
@@ -91,19 +102,21 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 3):
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-            def visit(step, accs):
-                slot = ring.slot(step)
-                xt_block = plgpu.load(ring.wait(slot, 0), (), layout=WGMMA).astype(F32)
-                col_rows = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of this block
-                a_smem = ring.wait(slot, 2)
-                new = []
-                for t, acc in enumerate(accs):
-                    scale = plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
-                    new.append(accumulate(acc, xt_block * by_cols(scale), a_smem))
-                ring.release(slot)
-                return tuple(new)
+            def accumulate_all(*acc_refs):
+                def visit(step, _):
+                    slot = ring.slot(step)
+                    xt_block = plgpu.load(ring.wait(slot, 0), (), layout=WGMMA)  # [D, ROWS]
+                    col_rows = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of the block
+                    scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
+                              for t in range(per_wg)]
+                    products(acc_refs, [xt_block * by_cols(x.astype(BF16)) for x in scales],
+                             ring.wait(slot, 2))
+                    ring.release(slot)
 
-            accs = lax.fori_loop(0, steps, visit, tuple(zeros((d, e)) for _ in range(per_wg)))
+                lax.fori_loop(0, steps, visit, None)
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+            accs = pl.run_scoped(accumulate_all, *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
             for t, acc in enumerate(accs):
                 out.at[wg, t][...] = acc.astype(BF16)
             plgpu.commit_smem()
@@ -127,13 +140,14 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 3):
 
     ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), F32, False), tile(e)], stages)
     return launch(
-        kernel, out_type=jax.ShapeDtypeStruct((b, kv_heads, n, d * d, e), BF16),
+        kernel, name="sympow_states_rows_to_state",
+        out_type=jax.ShapeDtypeStruct((b, kv_heads, n, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
         grid=(d // per_program, n, b * kv_heads), grid_names=("features", "chunk", "bh"),
         args=(xt, col, a))
 
 
-def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 3):
+def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 4):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T.
 
@@ -145,13 +159,17 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 3):
     d = col.shape[-2]
     hk, e = s.shape[1], s.shape[-1]
     groups, width = hx // hk, d if transposed else e
+    # 64-row blocks per warpgroup: two share each S_i read (half the traffic per product)
+    # where their shared memory fits (E = 64: 192 KiB with the ring).
+    sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
+    rows_per_wg = sub * ROWS
 
     def kernel(rows_ref, col_ref, s_ref, out_ref, own, own_bars, ring_arrays, ring_loaded,
                ring_freed, out):
         ring = Ring(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
-        mine = pl.ds((lax.axis_index("tile") * COMPUTE_WGS + wg) * ROWS, ROWS)
+        mine = pl.ds((lax.axis_index("tile") * COMPUTE_WGS + wg) * rows_per_wg, rows_per_wg)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -159,19 +177,30 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 3):
             rows_smem, col_smem = own
             load_own([(rows_ref.at[bi, h, chunk, mine], rows_smem),
                       (col_ref.at[bi, h, chunk, :, mine], col_smem)], wg, own_bars)
-            base = plgpu.load(rows_smem.at[wg], (), layout=WGMMA).astype(F32)  # [ROWS, W]
+            blocks = [pl.ds(k * ROWS, ROWS) for k in range(sub)]
+            bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
-            def visit(i, acc):
-                slot = ring.slot(i)
-                block = ring.wait(slot, 0)  # S_i [D, E]
-                scale = plgpu.load(col_smem.at[wg, i], (), layout=ROW_VECTOR)
-                operand = base * by_rows(scale, base.shape)
-                acc = accumulate(acc, operand, block.transpose((1, 0)) if transposed else block)
-                ring.release(slot)
-                return acc
+            def accumulate_all(*acc_refs):
+                def visit(i, _):
+                    slot = ring.slot(i)
+                    block = ring.wait(slot, 0)  # S_i [D, E]
+                    scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
+                              for r in blocks]
+                    products(acc_refs, [base * by_rows(x.astype(BF16), base.shape)
+                                        for base, x in zip(bases, scales, strict=True)],
+                             block.transpose((1, 0)) if transposed else block)
+                    ring.release(slot)
 
-            acc = lax.fori_loop(0, d, visit, zeros((ROWS, width)))
-            store_own([(acc, out, out_ref.at[bi, h, chunk, mine])], wg)
+                lax.fori_loop(0, d, visit, None)
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+            accs = pl.run_scoped(accumulate_all,
+                                 *(plgpu.ACC((ROWS, width), F32) for _ in range(sub)))
+            for r, acc in zip(blocks, accs, strict=True):
+                out.at[wg, r][...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out.at[wg], out_ref.at[bi, h, chunk, mine])
+            plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -179,13 +208,14 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 3):
             kv = lax.div(h, groups)
             ring.fill(d, lambda i: (s_ref.at[bi, kv, chunk, pl.ds(i * d, d)],))
 
-    own = own_scratch(tile(w), ((d, ROWS), F32, False))
+    own = own_scratch(((rows_per_wg, w), BF16, True), ((d, rows_per_wg), F32, False))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([tile(e)], stages)
     return launch(
-        kernel, out_type=jax.ShapeDtypeStruct((b, hx, n, c, width), F32),
-        scratch=(own, own_bars, *ring, swizzled((COMPUTE_WGS, ROWS, width), F32)),
-        grid=(c // TILE_ROWS, n, b * hx), grid_names=("tile", "chunk", "bh"),
+        kernel, name="sympow_states_state_to_rows",
+        out_type=jax.ShapeDtypeStruct((b, hx, n, c, width), F32),
+        scratch=(own, own_bars, *ring, swizzled((COMPUTE_WGS, rows_per_wg, width), F32)),
+        grid=(c // (COMPUTE_WGS * rows_per_wg), n, b * hx), grid_names=("tile", "chunk", "bh"),
         args=(rows, col, s))
 
 
