@@ -1,10 +1,13 @@
 """Runs each Hopper state kernel a few times at the breakdown's size, for a profiler.
 
-  PYTHONPATH=. ncu --kernel-name regex:sympow_states --launch-skip 3 --launch-count 3 \\
-      --section SpeedOfLight --section WarpStateStats python3 experiments/profile_states.py
+  PYTHONPATH=. nsys profile --stats=true -o $OUT/states python3 experiments/profile_states.py
+  PYTHONPATH=. nsys profile --stats=true -o $OUT/prims python3 experiments/profile_states.py \\
+      --primitives
 
 One launch of each of rows_to_state, state_to_rows and state_to_rows transposed per
-repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with timings printed.
+repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with timings printed;
+with --primitives, the tier's update_state and query_state, forward and backward, as
+jitted programs (their XLA glue included), for a per-kernel summary of each.
 """
 
 import sys
@@ -19,10 +22,49 @@ _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "chunk")
 _REPS = flags.DEFINE_integer("reps", 3, "launches of each kernel")
+_PRIMITIVES = flags.DEFINE_bool("primitives", False, "run the tier's state primitives, "
+                                "forward and backward, instead of the bare kernels")
+
+
+def primitives(reps: int) -> None:
+    """update_state and query_state of the Hopper tier, forward + backward, `reps` times."""
+    import jax
+    import jax.numpy as jnp
+
+    from sympow.attention.mosaic_gpu import states
+
+    d = e = 64
+    n, c, h = _T.value // _CHUNK.value, _CHUNK.value, _HEADS.value
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    k = jax.random.normal(keys[0], (1, h, n, c, d), jnp.bfloat16) / 8
+    v = jax.random.normal(keys[1], (1, h, n, c, e), jnp.bfloat16)
+    a = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[2], (1, h, n, c)))
+    g = jnp.cumsum(a, axis=-1)
+    s, z = jax.jit(states.update_state)(k, v, g - g[..., -1:])
+    o = jax.random.normal(keys[3], (1, h, n, c, e), jnp.float32)
+    den, m = jnp.ones((1, h, n, c)), jnp.zeros((1, h, n, c))
+
+    def both(fn, *args):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(jax.tree.map(jnp.ones_like, out))
+
+    runs = {"update_state": (jax.jit(lambda *x: both(states.update_state, *x)),
+                             (k, v, g - g[..., -1:])),
+            "query_state": (jax.jit(lambda *x: both(states.query_state, *x)),
+                            (k, s, z, g, o, den, m))}
+    for name, (fn, args) in runs.items():
+        jax.block_until_ready(fn(*args))
+        for _ in range(reps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+        print(f"{name:16s} fwd+bwd {(time.perf_counter() - start) * 1e3:7.3f} ms", flush=True)
 
 
 def main(argv):
     del argv
+    if _PRIMITIVES.value:
+        primitives(_REPS.value)
+        return
     import jax
     import jax.numpy as jnp
 
