@@ -8,9 +8,9 @@ time and check. Keys are (algorithm, backend) (docs/design.md §5.1):
              'attention' the attention form: O(T^2) time; O(T x block) memory in blocked.py,
                          O(T^2) in the reference
              'recurrent' the recurrence, one token at a time
-  backend    'mosaic_gpu' the Hopper tier (sympow/attention/mosaic_gpu/): the attention
-                         kernels in Mosaic GPU on sm90 GPUs, the state kernels the
-                         portable tier's (a logged fallback to those where it cannot run)
+  backend    'mosaic_gpu' the Hopper tier (sympow/attention/mosaic_gpu/): Mosaic GPU
+                         kernels on sm90 GPUs (attention; the states for p = 2, d = 64), the
+                         portable tier's elsewhere (a logged fallback)
              'pallas'    Pallas kernels (Triton on GPU, the interpreter elsewhere)
              'xla'       pure JAX, memory-conscious
              'reference' the specification forms (reference.py)
@@ -35,9 +35,12 @@ kernels' time at T = 65536 (16.7 ms). The crossover for p = 2, d = e = 64 falls 
 T = 4.5k (measured: 16.7 vs 17.0 ms at 4096, 60.6 vs 16.6 ms at 16384); at p = 4, d = 64
 the chunked states (F = 992,256) put it beyond any context, so training takes the attention
 form. The xla rows use the same constants: the ratio, not measured separately. The Hopper
-rows take HOPPER_ATTENTION_COST for their attention kernels (measured the same way) and the
-portable STATE_COST (their state kernels are the portable ones): the attention form wins
-to about T = 9k at p = 2, d = 64 (predicted: the chunked row not yet timed on its own).
+rows take HOPPER_ATTENTION_COST for their attention kernels (measured the same way) and, for
+p = 2, d = 64 (the square-layout state kernels, F = d^2), HOPPER_STATE_COST read off the
+Hopper chunked row's time at T = 65536, H = 12 (14.84 ms); other shapes keep the portable
+STATE_COST and layout. The Hopper attention form wins to about T = 9k at p = 2, d = 64
+(measured: 9.4 vs 15.4 ms at 4096, 28.7 vs 15.1 ms at 16384). The model does not see the
+dtype: float32 calls run the portable kernels at the Hopper rows' estimate.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from sympow.attention.blocked import blocked_attention, default_block_size
 from sympow.attention.chunked import ChunkPrimitives, chunked_attention
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import primitives as hopper
+from sympow.attention.mosaic_gpu import states as hopper_states
 from sympow.attention.pallas import attention_form as pallas_attention_form
 from sympow.attention.pallas import plan as pallas_plan
 from sympow.attention.pallas import primitives as pallas_primitives
@@ -64,6 +68,9 @@ ATTENTION_COST = 7.18e-14  # s per causal (query, key) pair and unit of d + e
 # docs/benchmarks.md "The Hopper tier"); its chunked rows keep the portable state kernels.
 HOPPER_ATTENTION_COST = 3.30e-14
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
+# The Hopper state kernels (p = 2, d = 64, square layout), per executed feature
+# (docs/benchmarks.md "The Hopper state kernels").
+HOPPER_STATE_COST = 6.79e-14
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.
 # Reasoned from that, not measured: streaming.py has not been timed on a GPU yet.
@@ -95,6 +102,19 @@ def chunked_cost(features: Callable[[int, int], int],
     def cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
         return STATE_COST * features(d, p) * e + pair_cost * (chunk or t) / 2 * (d + e)
     return cost
+
+
+def _tiled_features(d: int, p: int) -> int:
+    return expanded_dim(d, p, pallas_plan.tile_width(d, p))
+
+
+def hopper_chunked_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
+    """The Hopper chunked row's estimate: its square-layout state kernels where they run
+    (p = 2, d = 64), else the portable state kernels; its attention kernels either way."""
+    if (p, d) == (hopper_states.P, hopper_states.state_kernels.DIM):
+        return (HOPPER_STATE_COST * d * d * e
+                + HOPPER_ATTENTION_COST * (chunk or t) / 2 * (d + e))
+    return chunked_cost(_tiled_features, HOPPER_ATTENTION_COST)(p, d, e, t, chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,20 +176,18 @@ def _recurrent_form(config: AttentionConfig, q, k, v, log_g):
 IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
     (row.algorithm, row.backend): row for row in (
         # The Hopper tier: GPU only (its own kernels need sm90; elsewhere it logs and runs
-        # the portable tier's). The portable rows' layouts; its attention kernels' constant.
+        # the portable tier's).
         Implementation("chunked", "mosaic_gpu", _chunked(hopper.primitives),
                        platforms=("gpu",), default_on=("gpu",), has_state=True,
                        default_chunk_size=pallas_plan.default_chunk_size,
-                       cost=chunked_cost(lambda d, p: expanded_dim(
-                           d, p, pallas_plan.tile_width(d, p)), HOPPER_ATTENTION_COST)),
+                       cost=hopper_chunked_cost),
         Implementation("attention", "mosaic_gpu", _hopper_attention_form,
                        platforms=("gpu",), default_on=("gpu",), cost=hopper_attention_cost),
         # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,
                        default_chunk_size=pallas_plan.default_chunk_size,
-                       cost=chunked_cost(lambda d, p: expanded_dim(
-                           d, p, pallas_plan.tile_width(d, p)))),
+                       cost=chunked_cost(_tiled_features)),
         Implementation("attention", "pallas", _pallas_attention_form,
                        platforms=("gpu", "cpu"), default_on=("gpu",), cost=attention_cost),
         Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),

@@ -150,6 +150,34 @@ def test_hopper_constant_reproduces_its_recorded_h100_run():
         assert model(row, t) < model(portable, t)
 
 
+HOPPER_CHUNKED_RUN = BENCHMARKS / "h100_hopper_states_sweep_h12_2026-11-24.json"
+
+
+def test_hopper_state_constant_reproduces_its_recorded_h100_run():
+    """The Hopper chunked row's constant gives its time at T = 65536 of the recorded run
+    (B T = 65536, H = 12, p = 2, d = e = 64, its square-layout state kernels) and orders it
+    against the Hopper attention form as measured at every T."""
+    runs = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3
+            for r in json.loads(HOPPER_CHUNKED_RUN.read_text())}
+    rows = {name: impls.IMPLEMENTATIONS[name.split(":")[1], name.split(":")[0]]
+            for name in ("mosaic_gpu:chunked", "mosaic_gpu:attention")}
+
+    def model(name, t):
+        return rows[name].cost(2, 64, 64, t, pallas_plan.default_chunk_size(t)) * 65536 * 12
+
+    assert model("mosaic_gpu:chunked", 65536) == pytest.approx(
+        runs["mosaic_gpu:chunked", 65536], rel=0.05)
+    for t in (1024, 4096, 16384, 65536):
+        faster = min(rows, key=lambda name: runs[name, t])
+        assert min(rows, key=lambda name: model(name, t)) == faster, t
+    # other shapes keep the portable layout and state constant (d = 32: the tiled F)
+    portable = impls.IMPLEMENTATIONS["chunked", "pallas"]
+    pairs = 512 / 2 * (32 + 64)
+    assert (rows["mosaic_gpu:chunked"].cost(2, 32, 64, 4096, 512)
+            - impls.HOPPER_ATTENTION_COST * pairs) == pytest.approx(
+        portable.cost(2, 32, 64, 4096, 512) - impls.ATTENTION_COST * pairs)
+
+
 def test_cost_constants_reproduce_the_recorded_h100_runs():
     """The constants are read off these runs (B T = 65536, H = 12, p = 2, d = e = 64): the
     model gives their times at T = 65536 and orders the two algorithms as measured at every
