@@ -167,10 +167,10 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
       chunk_size: chunk C of the chunked algorithm, or the block of the blocked attention
         form; None chooses. Any T works (the tail is padded). Ignored by impl='reference'.
       impl: the backend (docs/design.md §5.1): None picks the fastest available on the
-        platform; 'mosaic_gpu' (GPU only: Mosaic GPU attention kernels on a Hopper GPU, the
-        'pallas' kernels for the rest) | 'pallas' (Pallas kernels; Triton on GPU, the
-        interpreter elsewhere) | 'xla' (pure JAX) | 'reference' (the specification; O(T^2)
-        memory).
+        platform; 'mosaic_gpu' (GPU only: Mosaic GPU attention kernels on a Hopper GPU, and
+        state kernels for p = 2, d = 64; the 'pallas' kernels for the rest) | 'pallas'
+        (Pallas kernels; Triton on GPU, the interpreter elsewhere) | 'xla' (pure JAX) |
+        'reference' (the specification; O(T^2) memory).
       algorithm: 'chunked' (linear in T: the chunked algorithm over per-chunk states) |
         'attention' (the attention form, quadratic in T, O(T x block) memory: flash-style
         kernels for 'mosaic_gpu' and 'pallas', blocked pure JAX for 'xla') | None: the

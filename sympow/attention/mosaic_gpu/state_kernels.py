@@ -20,10 +20,12 @@ conversions). Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
 
 Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `Ring`.
 - rows_to_state: one program per (group of 2 x per_wg features i, chunk, kv head); the
-  ring walks the row blocks of the chunk (over the query heads of a group too), each
+  ring walks the 64-row blocks of the chunk (over the query heads of a group too), each
   warpgroup accumulating its per_wg blocks S_i in registers (per_wg = 256 / E).
-- state_to_rows: one program per (128 rows, chunk, head); each warpgroup holds its 64 rows
-  of x (or a) and col; the ring walks the D blocks S_i of the chunk's state.
+- state_to_rows: one program per (128 or 256 rows, chunk, head); each warpgroup holds its
+  one or two 64-row blocks of x (or a) and col; the ring walks the D blocks S_i of the
+  chunk's state, each read once for both row blocks.
+Every operand of a step is built before the step's products are issued (`products`).
 """
 
 from __future__ import annotations
