@@ -97,7 +97,7 @@ def make_config(length: int, p: int, chunk_size: int | None, impl: str | None,
     if row.default_chunk_size is None:
         chunk_size = None  # the row has no chunk or block
     elif chunk_size is None:
-        chunk_size = row.default_chunk_size(length)
+        chunk_size = row.default_chunk_size(length, p, None if widths is None else widths[0])
     return AttentionConfig(p=p, algorithm=row.algorithm, backend=row.backend,
                            chunk_size=chunk_size, interpret=jax.default_backend() != "gpu")
 

@@ -36,11 +36,11 @@ T = 4.5k (measured: 16.7 vs 17.0 ms at 4096, 60.6 vs 16.6 ms at 16384); at p = 4
 the chunked states (F = 992,256) put it beyond any context, so training takes the attention
 form. The xla rows use the same constants: the ratio, not measured separately. The Hopper
 rows take HOPPER_ATTENTION_COST for their attention kernels (measured the same way) and, for
-p = 2, d = 64 (the square-layout state kernels, F = d^2), HOPPER_STATE_COST read off the
-Hopper chunked row's time at T = 65536, H = 12 (14.84 ms); other shapes keep the portable
-STATE_COST and layout. The Hopper attention form wins to about T = 9k at p = 2, d = 64
-(measured: 9.4 vs 15.4 ms at 4096, 28.7 vs 15.1 ms at 16384). The model does not see the
-dtype: float32 calls run the portable kernels at the Hopper rows' estimate.
+p = 2, d = 64 (the square-layout state kernels, F = d^2, chunks of 1024), HOPPER_STATE_COST
+read off the Hopper chunked row's time at T = 65536, H = 12 (14.43 ms); other shapes keep
+the portable STATE_COST, layout and chunk. The Hopper attention form wins to about T = 9k
+at p = 2, d = 64 (measured: 9.4 vs 15.4 ms at 4096, 28.7 vs 15.1 ms at 16384). The model
+does not see the dtype: float32 calls run the portable kernels at the Hopper rows' estimate.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ HOPPER_ATTENTION_COST = 3.30e-14
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The Hopper state kernels (p = 2, d = 64, square layout), per executed feature
 # (docs/benchmarks.md "The Hopper state kernels").
-HOPPER_STATE_COST = 6.79e-14
+HOPPER_STATE_COST = 6.18e-14
+HOPPER_SQUARE_CHUNK = 1024
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.
 # Reasoned from that, not measured: streaming.py has not been timed on a GPU yet.
@@ -108,6 +109,19 @@ def _tiled_features(d: int, p: int) -> int:
     return expanded_dim(d, p, pallas_plan.tile_width(d, p))
 
 
+def _by_length(chunk_size: Callable[[int], int]) -> Callable[[int, int, int | None], int]:
+    return lambda t, p, d: chunk_size(t)
+
+
+def hopper_chunk_size(t: int, p: int, d: int | None) -> int:
+    """The Hopper chunked row's default chunk: up to HOPPER_SQUARE_CHUNK where its
+    square-layout state kernels run (p = 2, d = 64: 9.84 vs 10.04 ms and 2.17 vs 2.80 GiB
+    at T = 65536, H = 8, against chunks of 512), else the portable tier's."""
+    if (p, d) == (hopper_states.P, hopper_states.state_kernels.DIM):
+        return min(HOPPER_SQUARE_CHUNK, max(16, 1 << max(0, t - 1).bit_length()))
+    return pallas_plan.default_chunk_size(t)
+
+
 def hopper_chunked_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
     """The Hopper chunked row's estimate: its square-layout state kernels where they run
     (p = 2, d = 64), else the portable state kernels; its attention kernels either way."""
@@ -124,8 +138,9 @@ class Implementation:
     run(config, q, k, v, log_g) -> (y float32 [B, T, Hq, E], final state or None).
     platforms: the JAX backends it runs on (None: all). default_on: those on which
     impl=None may choose it. has_state: `run` returns the recurrent state after the last
-    token (what `prefill` needs). default_chunk_size(T): the chunk (chunked algorithm) or
-    block (blocked attention form) when the caller gives none; None for rows without one.
+    token (what `prefill` needs). default_chunk_size(T, p, d): the chunk (chunked algorithm)
+    or block (blocked attention form) when the caller gives none (d None: not known); None
+    for rows without one.
     cost(p, d, e, T, chunk): estimated seconds per token and head (None: no model).
     """
 
@@ -135,7 +150,7 @@ class Implementation:
     platforms: tuple[str, ...] | None = ANY_PLATFORM
     default_on: tuple[str, ...] | None = ()
     has_state: bool = False
-    default_chunk_size: Callable[[int], int] | None = None
+    default_chunk_size: Callable[[int, int, int | None], int] | None = None
     cost: Callable[..., float] | None = None
 
     def runs_on(self, platform: str) -> bool:
@@ -179,23 +194,22 @@ IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
         # the portable tier's).
         Implementation("chunked", "mosaic_gpu", _chunked(hopper.primitives),
                        platforms=("gpu",), default_on=("gpu",), has_state=True,
-                       default_chunk_size=pallas_plan.default_chunk_size,
-                       cost=hopper_chunked_cost),
+                       default_chunk_size=hopper_chunk_size, cost=hopper_chunked_cost),
         Implementation("attention", "mosaic_gpu", _hopper_attention_form,
                        platforms=("gpu",), default_on=("gpu",), cost=hopper_attention_cost),
         # The kernels run on GPU, and on CPU in the interpreter (for tests, never a default).
         Implementation("chunked", "pallas", _chunked(pallas_primitives.primitives),
                        platforms=("gpu", "cpu"), default_on=("gpu",), has_state=True,
-                       default_chunk_size=pallas_plan.default_chunk_size,
+                       default_chunk_size=_by_length(pallas_plan.default_chunk_size),
                        cost=chunked_cost(_tiled_features)),
         Implementation("attention", "pallas", _pallas_attention_form,
                        platforms=("gpu", "cpu"), default_on=("gpu",), cost=attention_cost),
         Implementation("chunked", "xla", _chunked(lambda config: xla.PRIMITIVES),
                        default_on=ANY_PLATFORM, has_state=True,
-                       default_chunk_size=xla.default_chunk_size,
+                       default_chunk_size=_by_length(xla.default_chunk_size),
                        cost=chunked_cost(expanded_dim)),
         Implementation("attention", "xla", _blocked, default_on=ANY_PLATFORM,
-                       default_chunk_size=default_block_size, cost=attention_cost),
+                       default_chunk_size=_by_length(default_block_size), cost=attention_cost),
         Implementation("attention", "reference", _attention_form),
         Implementation("recurrent", "reference", _recurrent_form, has_state=True),
     )
@@ -251,7 +265,7 @@ def select(impl: str | None, algorithm: str | None = None, *, need_state: bool =
         p, d, e, t = shape
 
         def cost(row: Implementation) -> float:
-            chunk = chunk_size or (row.default_chunk_size and row.default_chunk_size(t))
+            chunk = chunk_size or (row.default_chunk_size and row.default_chunk_size(t, p, d))
             streamed = 0.0 if row.has_state or not need_state else streamed_state_cost(p, d, e)
             return row.cost(p, d, e, t, chunk) + streamed
 

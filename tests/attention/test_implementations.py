@@ -151,22 +151,26 @@ def test_hopper_constant_reproduces_its_recorded_h100_run():
 
 
 HOPPER_CHUNKED_RUN = BENCHMARKS / "h100_hopper_states_sweep_h12_2026-11-24.json"
+HOPPER_CHUNK1024_RUN = BENCHMARKS / "h100_hopper_states_chunk1024_2026-11-24.json"
 
 
 def test_hopper_state_constant_reproduces_its_recorded_h100_run():
-    """The Hopper chunked row's constant gives its time at T = 65536 of the recorded run
-    (B T = 65536, H = 12, p = 2, d = e = 64, its square-layout state kernels) and orders it
-    against the Hopper attention form as measured at every T."""
-    runs = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3
-            for r in json.loads(HOPPER_CHUNKED_RUN.read_text())}
+    """The Hopper chunked row's constant gives its times at T = 65536 of the recorded run at
+    its default chunk (1024; B T = 65536, H = 8 and 12, p = 2, d = e = 64, its square-layout
+    state kernels) and orders it against the Hopper attention form as measured at every T."""
     rows = {name: impls.IMPLEMENTATIONS[name.split(":")[1], name.split(":")[0]]
             for name in ("mosaic_gpu:chunked", "mosaic_gpu:attention")}
 
-    def model(name, t):
-        return rows[name].cost(2, 64, 64, t, pallas_plan.default_chunk_size(t)) * 65536 * 12
+    def model(name, t, h=12):
+        chunk = rows[name].default_chunk_size(t, 2, 64) if name.endswith("chunked") else None
+        return rows[name].cost(2, 64, 64, t, chunk) * 65536 * h
 
-    assert model("mosaic_gpu:chunked", 65536) == pytest.approx(
-        runs["mosaic_gpu:chunked", 65536], rel=0.05)
+    for r in json.loads(HOPPER_CHUNK1024_RUN.read_text()):
+        if r["t"] == 65536:
+            assert model("mosaic_gpu:chunked", 65536, r["h"]) == pytest.approx(
+                r["fwd_bwd_ms"] / 1e3, rel=0.05), r["h"]
+    runs = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3
+            for r in json.loads(HOPPER_CHUNKED_RUN.read_text())}
     for t in (1024, 4096, 16384, 65536):
         faster = min(rows, key=lambda name: runs[name, t])
         assert min(rows, key=lambda name: model(name, t)) == faster, t
@@ -176,6 +180,13 @@ def test_hopper_state_constant_reproduces_its_recorded_h100_run():
     assert (rows["mosaic_gpu:chunked"].cost(2, 32, 64, 4096, 512)
             - impls.HOPPER_ATTENTION_COST * pairs) == pytest.approx(
         portable.cost(2, 32, 64, 4096, 512) - impls.ATTENTION_COST * pairs)
+
+
+def test_the_hopper_chunk_is_1024_only_where_its_square_states_run():
+    chunk = impls.IMPLEMENTATIONS["chunked", "mosaic_gpu"].default_chunk_size
+    assert [chunk(t, 2, 64) for t in (100, 1000, 4096, 65536)] == [128, 1024, 1024, 1024]
+    assert [chunk(t, p, d) for t, p, d in ((65536, 2, 32), (65536, 4, 64), (65536, 2, None),
+                                           (100, 2, 32))] == [512, 512, 512, 128]
 
 
 def test_cost_constants_reproduce_the_recorded_h100_runs():
