@@ -27,7 +27,7 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
     def square(x, values, dtype) -> bool:  # x [B, H, N, C, d], values [..., E]
         reason = states.unsupported(config, x.shape[-1], values.shape[-1], x.shape[3], dtype)
         if reason is not None:
-            states.log_fallback(reason)
+            vjps.log_fallback("state", reason)
         return reason is None
 
     def update_state_(k, v, tail, *, p):

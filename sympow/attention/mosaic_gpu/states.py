@@ -24,7 +24,6 @@ d(phi(u) . M)/du = 2 M_(i, .) u (one transposed product instead of two).
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,6 @@ from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
 from sympow.numerics import HIGHEST
 
-logger = logging.getLogger(__name__)
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = 2  # the square layout is phi for p = 2
 
@@ -55,16 +53,7 @@ def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str |
         return f"d={d}, e={e} (supported: d = {state_kernels.DIM}, e <= {max(blocks.WIDTHS)})"
     if c % blocks.TILE_ROWS:
         return f"chunk {c} (supported: multiples of {blocks.TILE_ROWS})"
-    capability = vjps._compute_capability()
-    if capability != vjps.HOPPER:
-        return f"GPU compute capability {capability} (supported: {vjps.HOPPER})"
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def log_fallback(reason: str) -> None:
-    logger.warning("sympow impl='mosaic_gpu': the state kernels of the portable tier run "
-                   "for %s", reason)
+    return vjps.not_hopper()
 
 
 def is_square(f: int, p: int) -> bool:

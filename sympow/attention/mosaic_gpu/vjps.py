@@ -51,6 +51,11 @@ def unsupported(plan: Plan) -> str | None:
     if plan.c % blocks.TILE_ROWS or plan.attn_bq != blocks.ROWS:
         return (f"chunk {plan.c} with blocks of {plan.attn_bq} (supported: multiples of "
                 f"{blocks.TILE_ROWS} rows in blocks of {blocks.ROWS})")
+    return not_hopper()
+
+
+def not_hopper() -> str | None:
+    """Why this process's GPU cannot run the tier's kernels, or None on a Hopper GPU."""
     capability = _compute_capability()
     if capability != HOPPER:
         return f"GPU compute capability {capability} (supported: {HOPPER})"
@@ -58,9 +63,10 @@ def unsupported(plan: Plan) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _log_fallback(reason: str) -> None:
-    logger.warning("sympow impl='mosaic_gpu': the attention kernels of the portable tier run "
-                   "for %s", reason)
+def log_fallback(kernels: str, reason: str) -> None:
+    """Logs once per (kernels, reason) that the portable tier's `kernels` kernels run."""
+    logger.warning("sympow impl='mosaic_gpu': the %s kernels of the portable tier run for %s",
+                   kernels, reason)
 
 
 def attention(plan: Plan, q, k, v, a):
@@ -68,7 +74,7 @@ def attention(plan: Plan, q, k, v, a):
     `vjps.attention`."""
     reason = unsupported(plan)
     if reason is not None:
-        _log_fallback(reason)
+        log_fallback("attention", reason)
         return portable.attention(plan, q, k, v, a)
     return _hopper_attention(plan, q, k, v, a)
 

@@ -21,7 +21,7 @@ import pytest
 
 from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, state_kernels, states
+from sympow.attention.mosaic_gpu import blocks, state_kernels, states, vjps
 from sympow.attention.mosaic_gpu import primitives as hopper
 from sympow.attention.pallas.plan import tiled_layout
 from tests.attention.mosaic_gpu.test_attention_kernels import lowered
@@ -194,7 +194,6 @@ def test_the_square_layout_is_told_by_its_features():
     ({}, (64, 64, 64, "bfloat16"), r"chunk 64 \(supported: multiples of 128\)"),
 ])
 def test_unsupported_names_the_reason(monkeypatch, changes, shape, reason):
-    from sympow.attention.mosaic_gpu import vjps
     monkeypatch.setattr(vjps, "_compute_capability", lambda: vjps.HOPPER)
     config = dataclasses.replace(CONFIG, **{"interpret": False, **changes})
     assert re.search(reason, states.unsupported(config, *shape) or "")
@@ -205,7 +204,7 @@ def test_unsupported_names_the_reason(monkeypatch, changes, shape, reason):
 
 def test_off_a_hopper_gpu_the_portable_states_run_and_it_says_why(rng, caplog):
     q, k, v, log_g, _ = testing.inputs(testing.Case(t=40, d=16, e=16, b=1, chunk=16), rng)
-    states.log_fallback.cache_clear()
+    vjps.log_fallback.cache_clear()
     config = dataclasses.replace(CONFIG, chunk_size=16)
     with caplog.at_level(logging.WARNING):
         got = compiled(lambda *x: chunked.chunked_attention(
