@@ -24,7 +24,7 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
   warpgroup accumulating its per_wg blocks S_i in registers (per_wg = 256 / E).
 - state_to_rows: one program per (128 or 256 rows, chunk, head); each warpgroup holds its
   one or two 64-row blocks of x (or a) and col; the ring walks the D blocks S_i of the
-  chunk's state, each read once for both row blocks.
+  chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks.
 Every operand of a step is built before the step's products are issued (`products`).
 """
 
@@ -59,6 +59,7 @@ from sympow.attention.mosaic_gpu.blocks import (
 F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
+BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
 
 
 def features_per_warpgroup(e: int) -> int:
@@ -67,15 +68,17 @@ def features_per_warpgroup(e: int) -> int:
 
 
 def products(acc_refs, operands, rhs) -> None:
-    """acc_refs[k] += operands[k] @ rhs for register operands built beforehand, then wait.
+    """acc_refs[k] += operands[k] @ rhs[k] (rhs: one ref for all, or one each) for register
+    operands built beforehand, then wait.
 
     A running wgmma reads its A registers asynchronously, and nothing keeps a traced value
     alive past the call that consumes it: building the next operand while a product runs
     could reuse those registers (it did: wrong sums at E = 128). So every operand of a step
     is built first, all products issued, and the step waits for them; the other compute
     warpgroup's products fill the tensor cores meanwhile."""
-    for acc_ref, operand in zip(acc_refs, operands, strict=True):
-        plgpu.wgmma(acc_ref, operand, rhs)
+    rhs = rhs if isinstance(rhs, list) else [rhs] * len(operands)
+    for acc_ref, operand, b in zip(acc_refs, operands, rhs, strict=True):
+        plgpu.wgmma(acc_ref, operand, b)
     plgpu.wgmma_wait(0)
 
 
@@ -149,13 +152,14 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
         args=(xt, col, a))
 
 
-def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 4):
+def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T.
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv head
     h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
+    stages: ring slots (default: as many as fit in shared memory).
     """
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
@@ -165,6 +169,8 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 4):
     # where their shared memory fits (E = 64: 192 KiB with the ring).
     sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
     rows_per_wg = sub * ROWS
+    per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their products
+    stages = stages or (3 if e == min(WIDTHS) else 2)  # what fits next to the own blocks
 
     def kernel(rows_ref, col_ref, s_ref, out_ref, own, own_bars, ring_arrays, ring_loaded,
                ring_freed, out):
@@ -183,17 +189,22 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 4):
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
-                def visit(i, _):
-                    slot = ring.slot(i)
-                    block = ring.wait(slot, 0)  # S_i [D, E]
-                    scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
-                              for r in blocks]
-                    products(acc_refs, [base * by_rows(x.astype(BF16), base.shape)
-                                        for base, x in zip(bases, scales, strict=True)],
-                             block.transpose((1, 0)) if transposed else block)
+                def visit(step, _):  # blocks S_i, i = per_step step + u
+                    slot = ring.slot(step)
+                    slab = ring.wait(slot, 0)  # [per_step D, E]
+                    operands, rhs = [], []
+                    for u in range(per_step):
+                        block = slab.at[pl.ds(u * d, d)]  # S_i [D, E]
+                        i = step * per_step + u
+                        scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
+                                  for r in blocks]
+                        operands += [base * by_rows(x.astype(BF16), base.shape)
+                                     for base, x in zip(bases, scales, strict=True)]
+                        rhs += [block.transpose((1, 0)) if transposed else block] * sub
+                    products(acc_refs * per_step, operands, rhs)
                     ring.release(slot)
 
-                lax.fori_loop(0, d, visit, None)
+                lax.fori_loop(0, d // per_step, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
             accs = pl.run_scoped(accumulate_all,
@@ -208,11 +219,12 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int = 4):
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv = lax.div(h, groups)
-            ring.fill(d, lambda i: (s_ref.at[bi, kv, chunk, pl.ds(i * d, d)],))
+            ring.fill(d // per_step, lambda step: (
+                s_ref.at[bi, kv, chunk, pl.ds(step * per_step * d, per_step * d)],))
 
     own = own_scratch(((rows_per_wg, w), BF16, True), ((d, rows_per_wg), F32, False))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
-    ring = Ring.scratch([tile(e)], stages)
+    ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
     return launch(
         kernel, name="sympow_states_state_to_rows",
         out_type=jax.ShapeDtypeStruct((b, hx, n, c, width), F32),
