@@ -5,7 +5,7 @@
       --primitives
 
 One launch of each of rows_to_state, state_to_rows and state_to_rows transposed per
-repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with timings printed;
+repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
 with --primitives, the tier's update_state and query_state, forward and backward, as
 jitted programs (their XLA glue included), for a per-kernel summary of each.
 """
@@ -21,7 +21,7 @@ from absl import app, flags  # noqa: E402
 _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "chunk")
-_REPS = flags.DEFINE_integer("reps", 3, "launches of each kernel")
+_REPS = flags.DEFINE_integer("reps", 5, "timed launches of each kernel")
 _PRIMITIVES = flags.DEFINE_bool("primitives", False, "run the tier's state primitives, "
                                 "forward and backward, instead of the bare kernels")
 
@@ -53,11 +53,8 @@ def primitives(reps: int) -> None:
             "query_state": (jax.jit(lambda *x: both(states.query_state, *x)),
                             (k, s, z, g, o, den, m))}
     for name, (fn, args) in runs.items():
-        jax.block_until_ready(fn(*args))
-        for _ in range(reps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-        print(f"{name:16s} fwd+bwd {(time.perf_counter() - start) * 1e3:7.3f} ms", flush=True)
+        print(f"{name:16s} fwd+bwd {_median_ms(fn, args, reps):7.3f} ms (median of {reps})",
+              flush=True)
 
 
 def main(argv):
@@ -86,12 +83,24 @@ def main(argv):
     }
     flop = 2 * h * _T.value * d * d * e
     for name, (fn, args) in kernels.items():
-        jax.block_until_ready(fn(*args))  # compile
-        for _ in range(_REPS.value):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ms = (time.perf_counter() - start) * 1e3
-        print(f"{name:16s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s", flush=True)
+        ms = _median_ms(fn, args, _REPS.value)
+        print(f"{name:16s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
+              f"{_REPS.value})", flush=True)
+
+
+def _median_ms(fn, args, reps: int) -> float:
+    """Median milliseconds of `reps` calls after a compiling one."""
+    import statistics
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

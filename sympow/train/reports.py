@@ -64,6 +64,7 @@ class Run:
     loss: np.ndarray  # [records] float: mean training loss since the previous record
     final_loss: float
     heldout_loss: float = math.nan
+    devices: int | None = None  # devices the run trained on (its summary), None if unknown
 
     @property
     def key(self) -> tuple[str, int | None, str]:
@@ -165,9 +166,10 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
         total = int(config.get("num_train_steps", steps[-1]))
         final = final_loss(records, final_loss_window(config, total))
     loss = np.asarray([r["loss"] for r in records], np.float64)
+    devices = (_read_json(summary_path).get("devices") if summary_path.is_file() else None)
     return Run(run_dir, label or f"{_name(variant, p, form)} ctx={context} seed={seed}", variant,
                p, context, seed, form, bool(model.get("gating")), steps, tokens, loss, final,
-               heldout_loss_of(run_dir, context))
+               heldout_loss_of(run_dir, context), devices)
 
 
 def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -191,7 +193,8 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 def load_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
     """``load_run`` of every directory ``find_runs`` finds. A part of the form that every
     run it can apply to shares (the clipping of all runs, the gate bias of all gated runs)
-    tells no runs apart: it is dropped from the forms and labels."""
+    tells no runs apart: it is dropped from the forms and labels. Runs on different numbers
+    of devices (data parallel) carry theirs in their labels."""
     runs = [load_run(d) for d in find_runs(paths)]
     clips = {_form_parts(r.form, "clip") for r in runs}
     biases = {_form_parts(r.form, "gate") for r in runs if r.gated}
@@ -200,6 +203,8 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
     for r in runs:
         form = ", ".join(p for p in _form_parts(r.form) if p not in shared)
         label = r.label.replace(f" ({r.form})", f" ({form})" if form else "")
+        if len({run.devices for run in runs}) > 1:
+            label += f" devices={r.devices}"
         trimmed.append(dataclasses.replace(r, form=form, label=label))
     return trimmed
 
@@ -225,8 +230,8 @@ _STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 def plot_curves(runs: Sequence[Run], out_png: str | os.PathLike, *, x: str = "tokens",
                 smooth: int = 1, title: str | None = None) -> Path:
     """Training loss of ``runs`` on one figure vs ``x`` ('tokens' seen or 'step'); one colour
-    per (variant, p), one line style per (context, seed); ``smooth`` records averaged
-    (trailing mean)."""
+    per (variant, p), one line style per (context, seed, devices); ``smooth`` records
+    averaged (trailing mean)."""
     if x not in ("tokens", "step"):
         raise ValueError(f"x: need 'tokens' or 'step', got {x!r}")
     if not runs:
@@ -234,13 +239,14 @@ def plot_curves(runs: Sequence[Run], out_png: str | os.PathLike, *, x: str = "to
     plt = pyplot()
     runs = sorted(runs, key=_order)
     colours = {k: f"C{i % 10}" for i, k in enumerate(dict.fromkeys(r.key for r in runs))}
+    style_of = lambda r: (r.context, r.seed, r.devices or 0)  # noqa: E731
     styles = {k: _STYLES[i % len(_STYLES)]
-              for i, k in enumerate(sorted({(r.context, r.seed) for r in runs}))}
+              for i, k in enumerate(sorted({style_of(r) for r in runs}))}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves = [moving_mean(r.loss, smooth) for r in runs]
     for r, y in zip(runs, curves, strict=True):
         ax.plot(r.tokens if x == "tokens" else r.steps, y, color=colours[r.key],
-                linestyle=styles[r.context, r.seed], linewidth=1.4, label=r.label)
+                linestyle=styles[style_of(r)], linewidth=1.4, label=r.label)
     # The first records (loss ~ ln V) would flatten the rest: the top is the highest loss
     # after the first 5% of each run, which keeps the whole tail of every curve in view.
     tail = [y[len(y) // 20:] for y in curves]

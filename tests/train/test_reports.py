@@ -119,7 +119,7 @@ def test_a_directory_without_metrics_is_named(tmp_path):
 
 
 def fake_run(path, variant, context, seed, loss, *, p=2, summary=True, gate_bias=None,
-             grad_clip=None):
+             grad_clip=None, devices=None):
     """A run directory as the trainer leaves it: 4 logged steps, the last loss ``loss``;
     gate_bias / grad_clip written to its config when given (else the fields are absent)."""
     path.mkdir(parents=True)
@@ -134,8 +134,23 @@ def fake_run(path, variant, context, seed, loss, *, p=2, summary=True, gate_bias
     records = [{"step": s, "loss": value} for s, value in enumerate([5.0, 4.0, 3.0, loss], 1)]
     (path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
     if summary:
-        (path / SUMMARY_FILE).write_text(json.dumps({"final_loss": loss, "steps": 4}))
+        extra = {} if devices is None else {"devices": devices}
+        (path / SUMMARY_FILE).write_text(json.dumps({"final_loss": loss, "steps": 4, **extra}))
     return path
+
+
+def test_runs_on_different_device_counts_are_told_apart(tmp_path):
+    """The data-parallel comparison: the same run on 1 and 2 devices gets its device count in
+    its label and its own line style; runs that share one count are labelled as before."""
+    fake_run(tmp_path / "one" / "conformal_p2_ctx64", "conformal", 64, 0, 1.8, devices=1)
+    fake_run(tmp_path / "two" / "conformal_p2_ctx64", "conformal", 64, 0, 1.7, devices=2)
+    runs = reports.load_runs([tmp_path / "one", tmp_path / "two"])
+    assert [r.label for r in runs] == ["conformal p=2 ctx=64 seed=0 devices=1",
+                                       "conformal p=2 ctx=64 seed=0 devices=2"]
+    assert [r.devices for r in runs] == [1, 2]
+    assert is_png(reports.plot_curves(runs, tmp_path / "curves.png"))
+    alone = reports.load_runs([tmp_path / "two"])
+    assert [r.label for r in alone] == ["conformal p=2 ctx=64 seed=0"]
 
 
 def test_several_seeds_give_mean_and_spread(tmp_path):
