@@ -37,7 +37,7 @@ the chunked states (F = 992,256) put it beyond any context, so training takes th
 form. The xla rows use the same constants: the ratio, not measured separately. The Hopper
 rows take HOPPER_ATTENTION_COST for their attention kernels (measured the same way) and, for
 p = 2, d = 64 (the square-layout state kernels, F = d^2, chunks of 1024), HOPPER_STATE_COST
-read off the Hopper chunked row's time at T = 65536, H = 12 (14.43 ms); other shapes keep
+read off the Hopper chunked row's time at T = 65536, H = 12 (14.00 ms); other shapes keep
 the portable STATE_COST, layout and chunk. The Hopper attention form wins to about T = 9k
 at p = 2, d = 64 (measured: 9.4 vs 15.4 ms at 4096, 28.7 vs 15.1 ms at 16384). The model
 does not see the dtype: float32 calls run the portable kernels at the Hopper rows' estimate.
@@ -70,7 +70,7 @@ HOPPER_ATTENTION_COST = 3.30e-14
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The Hopper state kernels (p = 2, d = 64, square layout), per executed feature
 # (docs/benchmarks.md "The Hopper state kernels").
-HOPPER_STATE_COST = 6.18e-14
+HOPPER_STATE_COST = 5.97e-14
 HOPPER_SQUARE_CHUNK = 1024
 # The streamed state builds each state once (one product per feature tile) where the
 # chunked algorithm builds per-chunk states, sums them and reads them back per query.

@@ -151,7 +151,7 @@ def test_hopper_constant_reproduces_its_recorded_h100_run():
 
 
 HOPPER_CHUNKED_RUN = BENCHMARKS / "h100_hopper_states_sweep_h12_2026-11-24.json"
-HOPPER_CHUNK1024_RUN = BENCHMARKS / "h100_hopper_states_chunk1024_2026-11-24.json"
+HOPPER_CHUNK1024_RUN = BENCHMARKS / "h100_hopper_states_final_2026-11-24.json"
 
 
 def test_hopper_state_constant_reproduces_its_recorded_h100_run():
@@ -166,7 +166,7 @@ def test_hopper_state_constant_reproduces_its_recorded_h100_run():
         return rows[name].cost(2, 64, 64, t, chunk) * 65536 * h
 
     for r in json.loads(HOPPER_CHUNK1024_RUN.read_text()):
-        if r["t"] == 65536:
+        if r["t"] == 65536 and r["impl"] == "mosaic_gpu:chunked":
             assert model("mosaic_gpu:chunked", 65536, r["h"]) == pytest.approx(
                 r["fwd_bwd_ms"] / 1e3, rel=0.05), r["h"]
     runs = {(r["impl"], r["t"]): r["fwd_bwd_ms"] / 1e3
