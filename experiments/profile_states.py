@@ -1,8 +1,10 @@
-"""Runs each Hopper state kernel a few times at the breakdown's size, for a profiler.
+"""Times each Hopper state kernel at the breakdown's size, alone or under a profiler.
 
+  PYTHONPATH=. python3 experiments/profile_states.py               # kernel medians
+  PYTHONPATH=. python3 experiments/profile_states.py --primitives  # with the XLA glue
   PYTHONPATH=. nsys profile --stats=true -o $OUT/states python3 experiments/profile_states.py
-  PYTHONPATH=. nsys profile --stats=true -o $OUT/prims python3 experiments/profile_states.py \\
-      --primitives
+
+(On 2026-11-24 neither profiler ran on the H100 machine: ncu crashed, nsys is absent.)
 
 One launch of each of rows_to_state, state_to_rows and state_to_rows transposed per
 repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
