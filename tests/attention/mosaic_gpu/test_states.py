@@ -128,11 +128,13 @@ def _forward_and_grads(f, args, dy):
 
 
 @pytest.mark.usefixtures("definitions")
-@pytest.mark.parametrize(("hq", "hk", "e", "gated"), [(4, 2, 32, True), (1, 1, 64, False)])
+@pytest.mark.parametrize(("hq", "hk", "e", "gated"), [(4, 2, 32, True), (1, 1, 64, False),
+                                                     (2, 1, 100, True)])
 def test_the_chunked_algorithm_on_the_square_states_is_the_reference(rng, hq, hk, e, gated):
     """gold (the reference, float32 inputs) / ref (bf16 inputs) / test (the tier's
     primitives, bf16): ||gold - test|| <= K ||gold - ref|| + ATOL ||gold|| for y and every
-    gradient, T = 300 over chunks of 128 (the last one partial), e padded to 64 inside."""
+    gradient, T = 300 over chunks of 128 (the last one partial), e padded to 64 or 128
+    inside."""
     b, t = 1, 300
     q, k, v, log_g, dy = testing.inputs(
         testing.Case(t=t, d=D, e=e, hq=hq, hk=hk, b=b, chunk=128, gating=gated), rng)
