@@ -13,15 +13,14 @@ and prints a table with the ratio to cuDNN of the same run.
 """
 
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from timing import timed  # noqa: E402  (experiments/timing.py, beside this script)
 
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
@@ -49,20 +48,6 @@ _TIMEOUT = flags.DEFINE_integer("timeout", 240, "seconds per case process")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "B * T")
 
 D = 64
-
-
-def timed(fn, *args, reps: int) -> float:
-    """Median milliseconds of fn(*args) (after two warm-up calls)."""
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def make_inputs(t: int, h: int, seed: int = 0):

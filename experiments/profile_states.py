@@ -13,12 +13,12 @@ jitted programs (their XLA glue included), for a per-kernel summary of each.
 """
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from timing import timed  # noqa: E402  (experiments/timing.py, beside this script)
 
 _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
@@ -55,8 +55,8 @@ def primitives(reps: int) -> None:
             "query_state": (jax.jit(lambda *x: both(states.query_state, *x)),
                             (k, s, z, g, o, den, m))}
     for name, (fn, args) in runs.items():
-        print(f"{name:16s} fwd+bwd {_median_ms(fn, args, reps):7.3f} ms (median of {reps})",
-              flush=True)
+        ms = timed(fn, *args, reps=reps, warmup=1)
+        print(f"{name:16s} fwd+bwd {ms:7.3f} ms (median of {reps})", flush=True)
 
 
 def main(argv):
@@ -85,24 +85,12 @@ def main(argv):
     }
     flop = 2 * h * _T.value * d * d * e
     for name, (fn, args) in kernels.items():
-        ms = _median_ms(fn, args, _REPS.value)
+        ms = timed(fn, *args, reps=_REPS.value, warmup=1)
         print(f"{name:16s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
               f"{_REPS.value})", flush=True)
 
 
-def _median_ms(fn, args, reps: int) -> float:
-    """Median milliseconds of `reps` calls after a compiling one."""
-    import statistics
 
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":
