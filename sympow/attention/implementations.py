@@ -65,7 +65,7 @@ from sympow.embedding import expanded_dim
 ANY_PLATFORM = None
 ATTENTION_COST = 7.18e-14  # s per causal (query, key) pair and unit of d + e
 # The Hopper tier's attention kernels, read off the same kind of run at T = 16384 (27.21 ms,
-# docs/benchmarks.md "The Hopper tier"); its chunked rows keep the portable state kernels.
+# docs/benchmarks.md "The Hopper tier").
 HOPPER_ATTENTION_COST = 3.30e-14
 STATE_COST = 1.13e-13  # s per state feature and value column, per token
 # The Hopper state kernels (p = 2, d = 64, square layout), per executed feature
@@ -96,12 +96,13 @@ def streamed_state_cost(p: int, d: int, e: int) -> float:
     return STREAM_COST * expanded_dim(d, p) * e
 
 
-def chunked_cost(features: Callable[[int, int], int],
-                 pair_cost: float = ATTENTION_COST) -> Callable[..., float]:
-    """The chunked algorithm's estimate, with F = features(d, p) of the row's layout and
-    pair_cost its intra-chunk attention kernels' constant."""
+def chunked_cost(features: Callable[[int, int], int], pair_cost: float = ATTENTION_COST,
+                 state_cost: float = STATE_COST) -> Callable[..., float]:
+    """The chunked algorithm's estimate, with F = features(d, p) of the row's layout,
+    pair_cost its intra-chunk attention kernels' constant and state_cost its state
+    kernels'."""
     def cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
-        return STATE_COST * features(d, p) * e + pair_cost * (chunk or t) / 2 * (d + e)
+        return state_cost * features(d, p) * e + pair_cost * (chunk or t) / 2 * (d + e)
     return cost
 
 
@@ -117,18 +118,20 @@ def hopper_chunk_size(t: int, p: int, d: int | None) -> int:
     """The Hopper chunked row's default chunk: up to HOPPER_SQUARE_CHUNK where its
     square-layout state kernels run (p = 2, d = 64: 9.84 vs 10.04 ms and 2.17 vs 2.80 GiB
     at T = 65536, H = 8, against chunks of 512), else the portable tier's."""
-    if (p, d) == (hopper_states.P, hopper_states.state_kernels.DIM):
-        return min(HOPPER_SQUARE_CHUNK, max(16, 1 << max(0, t - 1).bit_length()))
+    if hopper_states.square_layout(p, d):
+        return pallas_plan.default_chunk_size(t, cap=HOPPER_SQUARE_CHUNK)
     return pallas_plan.default_chunk_size(t)
+
+
+_hopper_square_cost = chunked_cost(lambda d, p: d * d, HOPPER_ATTENTION_COST, HOPPER_STATE_COST)
+_hopper_tiled_cost = chunked_cost(_tiled_features, HOPPER_ATTENTION_COST)
 
 
 def hopper_chunked_cost(p: int, d: int, e: int, t: int, chunk: int | None) -> float:
     """The Hopper chunked row's estimate: its square-layout state kernels where they run
     (p = 2, d = 64), else the portable state kernels; its attention kernels either way."""
-    if (p, d) == (hopper_states.P, hopper_states.state_kernels.DIM):
-        return (HOPPER_STATE_COST * d * d * e
-                + HOPPER_ATTENTION_COST * (chunk or t) / 2 * (d + e))
-    return chunked_cost(_tiled_features, HOPPER_ATTENTION_COST)(p, d, e, t, chunk)
+    cost = _hopper_square_cost if hopper_states.square_layout(p, d) else _hopper_tiled_cost
+    return cost(p, d, e, t, chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,9 +56,15 @@ def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str |
     return vjps.not_hopper()
 
 
+def square_layout(p: int, d: int) -> bool:
+    """Whether the tier's state kernels (the square layout) are made for power p and key
+    width d (they still need `unsupported` to find nothing against the call)."""
+    return (p, d) == (P, state_kernels.DIM)
+
+
 def is_square(f: int, p: int) -> bool:
     """Whether F features are the square layout (no tier's other layout has d^2 features)."""
-    return p == P and f == state_kernels.DIM ** 2
+    return square_layout(p, state_kernels.DIM) and f == state_kernels.DIM ** 2
 
 
 def _columns(x, ls):
