@@ -168,14 +168,14 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     import numpy as np
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
-    from sympow.attention.mosaic_gpu.states import _columns
+    from sympow.attention.mosaic_gpu.states import columns
 
     d = sk.DIM
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, d)) / d ** 0.5, jnp.bfloat16)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), jnp.bfloat16)
     ls = (rng.uniform(-2.0, 0.0, size=(b, hq, n, c)) if scales == "ordinary"
           else np.full((b, hq, n, c), -5000.0))
-    col = _columns(x, jnp.asarray(ls, jnp.float32))
+    col = columns(x, jnp.asarray(ls, jnp.float32))
     xt = jnp.swapaxes(x, -1, -2)
     s = sk.rows_to_state_reference(xt, col, a, kv_heads=hk)
 

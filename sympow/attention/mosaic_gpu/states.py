@@ -35,6 +35,7 @@ from sympow.attention.mosaic_gpu import blocks, state_kernels, vjps
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
+from sympow.attention.pallas.primitives import pad_to
 from sympow.numerics import HIGHEST
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -67,13 +68,9 @@ def is_square(f: int, p: int) -> bool:
     return square_layout(p, state_kernels.DIM) and f == state_kernels.DIM ** 2
 
 
-def _columns(x, ls):
+def columns(x, ls):
     """col = x^T e^(2 ls) [B, H, N, d, C] float32: u_ri u_rj = col_ir x_rj."""
     return jnp.swapaxes(x.astype(F32) * jnp.exp(P * ls)[..., None], -1, -2)
-
-
-def _pad_columns(x, width: int):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
 def _kernel_width(e: int) -> int:
@@ -88,21 +85,21 @@ def state_of_rows(x, ls, a, kv_heads: int):
 
 
 def _state_of_rows_fwd(x, ls, a, kv_heads):
-    s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), _columns(x, ls), a,
+    s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
                                     kv_heads=kv_heads)
     return s, (x, ls, a)
 
 
 def _row_gradients(x, ls, rows, s):
     """(dx, dls) of sum_r phi(u_r) . (S rows_r): dx = 2 sum_j col_jr rows_r S_j^T."""
-    dx = 2.0 * state_kernels.state_to_rows(rows, _columns(x, ls), s, transposed=True)
+    dx = 2.0 * state_kernels.state_to_rows(rows, columns(x, ls), s, transposed=True)
     return dx.astype(x.dtype), jnp.sum(dx * x.astype(F32), axis=-1)
 
 
 def _state_of_rows_bwd(kv_heads, res, ds):
     x, ls, a = res
     ds = ds.astype(BF16)
-    da = state_kernels.state_to_rows(x, _columns(x, ls), ds, transposed=False)
+    da = state_kernels.state_to_rows(x, columns(x, ls), ds, transposed=False)
     return (*_row_gradients(x, ls, a, ds), da.astype(a.dtype))
 
 
@@ -116,13 +113,13 @@ def rows_of_state(x, ls, s):
 
 
 def _rows_of_state_fwd(x, ls, s):
-    return state_kernels.state_to_rows(x, _columns(x, ls), s, transposed=False), (x, ls, s)
+    return state_kernels.state_to_rows(x, columns(x, ls), s, transposed=False), (x, ls, s)
 
 
 def _rows_of_state_bwd(res, dy):
     x, ls, s = res
     dy = dy.astype(BF16)
-    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), _columns(x, ls), dy,
+    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), dy,
                                      kv_heads=s.shape[1])
     return (*_row_gradients(x, ls, dy, s), ds.astype(s.dtype))
 
@@ -141,7 +138,7 @@ def update_state(k, v, tail):
     """`ChunkPrimitives.update_state` in the square layout (p = 2)."""
     e = v.shape[-1]
     ls = tail / P
-    s = state_of_rows(k, ls, _pad_columns(v, _kernel_width(e)), k.shape[1])
+    s = state_of_rows(k, ls, pad_to(v, -1, _kernel_width(e)), k.shape[1])
     return s[..., :e], _normalizer_state(k, ls)
 
 
@@ -159,7 +156,7 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     state gathered to the tile=1 layout."""
     f, e = s.shape[-2:]
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(
-        prefix_plan(f, config.interpret), _pad_columns(s, padded_width(e)), z, g_last)
+        prefix_plan(f, config.interpret), pad_to(s, -1, padded_width(e)), z, g_last)
     rows, mirrors, scale = _final_gather(state_kernels.DIM)
     s_fin = (s_fin[..., rows, :e] + s_fin[..., mirrors, :e]) * (0.5 * scale[:, None])
     z_fin = (z_fin[..., rows] + z_fin[..., mirrors]) * (0.5 * scale)
@@ -172,7 +169,7 @@ def query_state(q, s_in, z_in, g, o, den, m):
     hk, e = g.shape[1], s_in.shape[-1]
     per_query_head = lambda x: jnp.repeat(x, hq // hk, axis=1)  # noqa: E731
     ls = per_query_head(g / P)
-    num = rows_of_state(q, ls, _pad_columns(s_in, _kernel_width(e)))[..., :e]
+    num = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)))[..., :e]
     u = q.astype(F32) * jnp.exp(ls)[..., None]
     zq = jnp.einsum("bhnci,bhnij->bhncj", u, per_query_head(z_in.reshape(b, hk, n, d, d)),
                     precision=HIGHEST)

@@ -29,7 +29,8 @@ def _log_fallback(reason: str) -> None:
     logger.warning("sympow impl='pallas' falls back to 'xla' for %s", reason)
 
 
-def _pad(x, axis: int, size: int, mode: str = "constant"):
+def pad_to(x, axis: int, size: int, mode: str = "constant"):
+    """x padded at the end of `axis` to `size` (with zeros, or as jnp.pad's `mode`)."""
     pad = size - x.shape[axis]
     if pad == 0:
         return x
@@ -60,13 +61,13 @@ def primitives(config: AttentionConfig, attention=vjps.attention) -> ChunkPrimit
         return plan
 
     def rows(x, plan):  # [B, H, N, C, ...] -> [B, H, N, plan.c, ...]
-        return _pad(x, 3, plan.c)
+        return pad_to(x, 3, plan.c)
 
     def gates(g, plan):
-        return _pad(g, 3, plan.c, mode="edge")
+        return pad_to(g, 3, plan.c, mode="edge")
 
     def cols(x, plan):
-        return _pad(x, -1, plan.e)
+        return pad_to(x, -1, plan.e)
 
     def update_state_(k, v, tail, *, p):
         plan = plan_for(k.shape[-1], v.shape[-1], k.shape[3], k.dtype)
@@ -81,7 +82,7 @@ def primitives(config: AttentionConfig, attention=vjps.attention) -> ChunkPrimit
             return xla.prefix_sum(s, z, g_last)
         e = s.shape[-1]  # loads of [bf, E] need a power of two: pad as the other kernels do
         s_in, z_in, s_fin, z_fin = vjps.prefix_sum(prefix_plan(s.shape[-2], config.interpret),
-                                              _pad(s, -1, padded_width(e)), z, g_last)
+                                              pad_to(s, -1, padded_width(e)), z, g_last)
         s_in, s_fin = s_in[..., :e], s_fin[..., :e]
         d, tile = layout
         index, scale = to_symmetric_layout(d, config.p, tile)

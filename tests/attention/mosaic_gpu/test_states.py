@@ -66,7 +66,7 @@ def test_the_definitions_are_the_products_with_phi(rng):
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
-    col = states._columns(x, ls)
+    col = states.columns(x, ls)
     u = x * jnp.exp(ls)[..., None]
     per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
     hi = jax.lax.Precision.HIGHEST
@@ -107,14 +107,14 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
 
     def state_definition(x, ls, a):
         return state_kernels.rows_to_state_reference(jnp.swapaxes(x, -1, -2),
-                                                     states._columns(x, ls), a, kv_heads=hk)
+                                                     states.columns(x, ls), a, kv_heads=hk)
 
     ds = _symmetric_state(rng, b, hk, n, e)  # the cotangents a state gets are symmetric
     close(by_autodiff(lambda *z: states.state_of_rows(*z, hk), (x, ls, a), ds),
           by_autodiff(state_definition, (x, ls, a), ds))
 
     def rows_definition(x, ls, s):
-        return state_kernels.state_to_rows_reference(x, states._columns(x, ls), s,
+        return state_kernels.state_to_rows_reference(x, states.columns(x, ls), s,
                                                      transposed=False)
 
     dy = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
