@@ -68,15 +68,14 @@ def features_per_warpgroup(e: int) -> int:
 
 
 def products(acc_refs, operands, rhs) -> None:
-    """acc_refs[k] += operands[k] @ rhs[k] (rhs: one ref for all, or one each) for register
-    operands built beforehand, then wait.
+    """acc_refs[k] += operands[k] @ rhs[k] for register operands built beforehand, then
+    wait.
 
     A running wgmma reads its A registers asynchronously, and nothing keeps a traced value
     alive past the call that consumes it: building the next operand while a product runs
     could reuse those registers (it did: wrong sums at E = 128). So every operand of a step
     is built first, all products issued, and the step waits for them; the other compute
     warpgroup's products fill the tensor cores meanwhile."""
-    rhs = rhs if isinstance(rhs, list) else [rhs] * len(operands)
     for acc_ref, operand, b in zip(acc_refs, operands, rhs, strict=True):
         plgpu.wgmma(acc_ref, operand, b)
     plgpu.wgmma_wait(0)
@@ -115,7 +114,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
                     scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
                               for t in range(per_wg)]
                     products(acc_refs, [xt_block * by_cols(x.astype(BF16)) for x in scales],
-                             ring.wait(slot, 2))
+                             [ring.wait(slot, 2)] * per_wg)
                     ring.release(slot)
 
                 lax.fori_loop(0, steps, visit, None)
