@@ -160,13 +160,14 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
     per_step = int(data.get("docs_per_batch", 0)) * context  # older metrics lack "tokens"
     tokens = np.asarray([r.get("tokens", r["step"] * per_step) for r in records], np.float64)
     summary_path = run_dir / SUMMARY_FILE
-    if summary_path.is_file():
-        final = float(_read_json(summary_path)["final_loss"])
+    summary = _read_json(summary_path) if summary_path.is_file() else None
+    if summary is not None:
+        final = float(summary["final_loss"])
     else:  # still training: the trainer's own window over what is logged so far
         total = int(config.get("num_train_steps", steps[-1]))
         final = final_loss(records, final_loss_window(config, total))
     loss = np.asarray([r["loss"] for r in records], np.float64)
-    devices = (_read_json(summary_path).get("devices") if summary_path.is_file() else None)
+    devices = None if summary is None else summary.get("devices")
     return Run(run_dir, label or f"{_name(variant, p, form)} ctx={context} seed={seed}", variant,
                p, context, seed, form, bool(model.get("gating")), steps, tokens, loss, final,
                heldout_loss_of(run_dir, context), devices)
@@ -199,11 +200,12 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
     clips = {_form_parts(r.form, "clip") for r in runs}
     biases = {_form_parts(r.form, "gate") for r in runs if r.gated}
     shared = set().union(*(next(iter(s)) for s in (clips, biases) if len(s) == 1))
+    several_device_counts = len({r.devices for r in runs}) > 1
     trimmed = []
     for r in runs:
         form = ", ".join(p for p in _form_parts(r.form) if p not in shared)
         label = r.label.replace(f" ({r.form})", f" ({form})" if form else "")
-        if len({run.devices for run in runs}) > 1:
+        if several_device_counts:
             label += f" devices={r.devices}"
         trimmed.append(dataclasses.replace(r, form=form, label=label))
     return trimmed
