@@ -53,8 +53,8 @@ CASES = [
     (dict(t=1024, p=4, d=16, e=64, hq=4, hk=2, chunk=64), ("float32", "bfloat16"), BOTH),
     (dict(t=512, p=4, d=32, e=32, hq=2, hk=2, b=1, chunk=128), ("float32", "bfloat16"), BOTH),
     (dict(t=16384, d=64, e=64, hq=4, hk=4, b=1, chunk=256), ("bfloat16",), BOTH),
-    # The Hopper tier's square-layout states (p = 2, d = 64, bf16, chunks of 128k): grouped
-    # heads with T not a multiple of the chunk; values padded to 64.
+    # The Hopper tier's square-layout states (p = 2, d = 64, bf16, chunks of a multiple of
+    # 128): grouped heads with T not a multiple of the chunk; values padded to 64.
     (dict(t=1500, d=64, e=64, hq=6, hk=2, chunk=128), ("bfloat16",), ("chunked",)),
     (dict(t=600, d=64, e=32, hq=2, hk=1, chunk=256, gating=False), ("bfloat16",), ("chunked",)),
     # The attention form only: shapes whose chunked states do not fit (p = 4 at d = 64, as in
