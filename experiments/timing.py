@@ -1,4 +1,5 @@
-"""The one timing rule of the GPU scripts (benchmark.py, profile_states.py)."""
+"""The one timing rule of the GPU scripts (benchmark.py, profile_states.py) and the reading
+of jax.profiler traces (kernel_profile.py)."""
 
 import statistics
 import time
@@ -17,3 +18,50 @@ def timed(fn, *args, reps: int, warmup: int = 2) -> float:
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start ns, duration ns) of every kernel a GPU ran in the jax.profiler trace
+    written under trace_dir (the events of its /device:GPU planes' stream lines).
+    ValueError when the trace holds no GPU plane (a CPU run has none)."""
+    from pathlib import Path
+
+    from jax.profiler import ProfileData
+
+    paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    if not paths:
+        raise ValueError(f"no *.xplane.pb trace under {trace_dir}")
+    events, lines = [], []
+    for plane in ProfileData.from_file(str(paths[-1])).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            lines.append(line.name)
+            if line.name.startswith("Stream"):
+                events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+    if not lines:
+        raise ValueError(f"the trace under {trace_dir} has no /device:GPU plane (not a GPU run)")
+    if not events:
+        raise ValueError(f"no kernel on the GPU planes' stream lines; their lines: {lines}")
+    return events
+
+
+def summarize_kernels(events: list[tuple[str, float, float]], *, calls: int,
+                      wall_s: float) -> dict:
+    """Per call: wall ms, kernels launched, busy ms (the union of the kernels' intervals:
+    overlapping kernels count once) and each kernel name's count and total microseconds,
+    slowest first."""
+    busy_ns, end = 0.0, float("-inf")
+    for _, start, duration in sorted(events, key=lambda e: e[1]):
+        busy_ns += max(0.0, start + duration - max(start, end))
+        end = max(end, start + duration)
+    totals: dict[str, list[float]] = {}
+    for name, _, duration in events:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration
+    kernels = [{"name": name, "count": count / calls, "total_us": round(ns / calls / 1e3, 2)}
+               for name, (count, ns) in totals.items()]
+    kernels.sort(key=lambda k: -k["total_us"])
+    return {"wall_ms": round(wall_s / calls * 1e3, 4), "kernels_per_call": len(events) / calls,
+            "busy_ms": round(busy_ns / calls / 1e6, 4), "kernels": kernels}

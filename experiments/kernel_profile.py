@@ -1,0 +1,150 @@
+"""The GPU kernels of a jitted call, from jax's own profiler: names, counts and times.
+
+  PYTHONPATH=. python3 experiments/kernel_profile.py --decode=conformal:2:1024:1,softmax:0:1024:1 \
+      --out=$OUT
+  PYTHONPATH=. python3 experiments/kernel_profile.py --decode= \
+      --attention=mosaic_gpu:chunked:65536:8 --out=$OUT
+
+ncu crashed on the H100 machine and nsys is not installed there (docs/benchmarks.md);
+`jax.profiler.trace` records the device's kernels through CUPTI and
+`jax.profiler.ProfileData` reads the trace back, so this runs wherever jax does.
+
+Decode cases `variant:p:prompt[:batch]`: GPT-2 small at bf16 parameters and compute (the
+decode benchmark's model), prefilled on random tokens (the step's work does not depend on
+them), then a jitted device loop of --steps greedy decode steps (generate's loop) traced
+--reps times.
+Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
+65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
+call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
+first. Writes kernel_profile.json under --out.
+"""
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+from timing import kernel_events, summarize_kernels  # noqa: E402
+
+_DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
+                            "decode cases variant:p:prompt[:batch]")
+_ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:T:H")
+_STEPS = flags.DEFINE_integer("steps", 16, "decode steps per traced call", lower_bound=1)
+_REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
+_TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
+_OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
+
+
+def traced(fn, *args, reps: int) -> dict:
+    """Kernel summary of `reps` calls of fn(*args) (compiled first), per call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            for _ in range(reps):
+                jax.block_until_ready(fn(*args))
+            wall_s = time.perf_counter() - start
+        events = kernel_events(trace_dir)
+    return summarize_kernels(events, calls=reps, wall_s=wall_s)
+
+
+def decode_case(spec: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sympow.layers import GPT, GPTConfig
+    from sympow.train.model import gpt_config
+
+    variant, p, t, *batch = spec.split(":")
+    t, batch, steps = int(t), int(batch[0]) if batch else 1, _STEPS.value
+    extra = {} if variant == "softmax" else {"p": int(p)}
+    config = gpt_config(GPTConfig.preset(
+        variant, "small", dtype="bfloat16", param_dtype="bfloat16", max_length=t + steps + 1,
+        **extra).__dict__)
+    graphdef, weights = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+    prompt = jax.random.randint(jax.random.PRNGKey(1), (batch, t), 0, 50257)  # [batch, t]
+    prefill = jax.jit(lambda w, x: nnx.merge(graphdef, w).prefill(
+        x, max_length=t + steps + 1, last_only=True))
+    logits, cache = prefill(weights, prompt)
+
+    @jax.jit
+    def loop(weights, token, cache):  # generate's device loop, greedy
+        model = nnx.merge(graphdef, weights)
+
+        def step(carry, _):
+            token, cache = carry
+            logits, cache = model.decode_step(token, cache)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (token, cache), token
+
+        return jax.lax.scan(step, (token, cache), None, length=steps)[1]
+
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    summary = traced(loop, weights, token, cache, reps=_REPS.value)
+    per_step = {key: round(summary[key] / steps, 4) for key in ("wall_ms", "busy_ms")}
+    return {"case": spec, "kind": "decode", "steps": steps, "per_step": per_step,
+            "kernels_per_step": round(summary["kernels_per_call"] / steps, 1), **summary}
+
+
+def attention_case(spec: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import sympow
+
+    impl, algorithm, t, h = spec.split(":")
+    t, h = int(t), int(h)
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    shape = (max(1, 65536 // t), t, h, 64)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:4])
+    log_g = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], shape[:3], jnp.float32))
+
+    def attention(q, k, v, log_g):
+        return sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl,
+                                       algorithm=algorithm or None)
+
+    @jax.jit
+    def fwd_bwd(q, k, v, log_g):
+        y, vjp = jax.vjp(attention, q, k, v, log_g)
+        return vjp(ct.astype(y.dtype))
+
+    return {"case": spec, "kind": "attention",
+            **traced(fwd_bwd, q, k, v, log_g, reps=_REPS.value)}
+
+
+def main(argv):
+    del argv
+    import jax
+
+    results = []
+    for spec in _DECODE.value:
+        results.append(decode_case(spec))
+    for spec in _ATTENTION.value:
+        results.append(attention_case(spec))
+    device = jax.devices()[0].device_kind
+    for r in results:
+        print(f"\n== {r['kind']} {r['case']} ({device}, jax {jax.__version__}): "
+              f"{r['wall_ms']:.3f} ms wall per call, {r['kernels_per_call']} kernels, "
+              f"GPU busy {r['busy_ms']:.3f} ms" + (
+                  f"; per step {r['per_step']['wall_ms']} ms wall, "
+                  f"{r['kernels_per_step']} kernels, busy {r['per_step']['busy_ms']} ms"
+                  if r["kind"] == "decode" else ""))
+        for k in r["kernels"][:_TOP.value]:
+            print(f"  {k['total_us']:10.1f} us  {k['count']:6.1f}x  {k['name'][:110]}")
+    if _OUT.value:
+        out = Path(_OUT.value)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernel_profile.json").write_text(json.dumps(
+            {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+             "command": " ".join(sys.argv), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
