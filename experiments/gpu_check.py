@@ -35,9 +35,11 @@ _ONLY = flags.DEFINE_enum("only", "all",
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
-                          "against the specification (DECODE_CASES); primitives: the Hopper "
-                          "attention kernels (forward, backward) against the portable ones "
-                          "and its state kernels against their definitions")
+                          "against the specification (DECODE_CASES), the decode_linear "
+                          "kernel against its reference (LINEAR_CASES) and GPT-2 small's "
+                          "fused decoding against its blocks' (MODEL_CASES); primitives: "
+                          "the Hopper attention kernels (forward, backward) against the "
+                          "portable ones and its state kernels against their definitions")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -68,6 +70,15 @@ QUICK = [0, 2, 4, 6, 7]
 # not: GPT-2 small's heads at B = 1 and 16, grouped heads, R padded, p = 4.
 DECODE_CASES = [(1, 12, 12, 64, 64, 2), (16, 12, 12, 64, 64, 2), (2, 4, 2, 16, 16, 2),
                 (1, 3, 1, 8, 32, 2), (1, 12, 12, 32, 64, 4), (4, 8, 8, 16, 128, 4)]
+# --only=decode, the products of the fused decoding step (sympow.layers.decode_linear): (rows,
+# K, N, LayerNorm, GELU, residual): GPT-2 small's four products at 16 and 64 rows, and a K
+# read in blocks of 64.
+LINEAR_CASES = [(16, 768, 2336, True, False, False), (16, 768, 768, False, False, True),
+                (16, 768, 3072, True, True, False), (16, 3072, 768, False, False, True),
+                (64, 768, 3072, True, True, True), (32, 192, 48, True, False, True)]
+# --only=decode, GPT-2 small (2 of its layers) decoding 8 tokens after a 40-token prompt with
+# the fused step against the blocks' step: (variant, batch).
+MODEL_CASES = [("conformal", 1), ("conformal", 5), ("softmax", 1), ("sympow", 16)]
 # --only=primitives: (b, hq, hk, n, c, d, e, p, gates) of the Hopper attention forward against
 # the portable one; gates 'ordinary', 'strong' (-1e4 every 97 tokens, 0 elsewhere), 'full'
 # (-1e4 everywhere), 'none' (0).
@@ -110,6 +121,64 @@ def check_decode(testing, rng, **case):
     """Rows (output, err, note, ok) of the fused decoding step against the specification."""
     return [(n, e, f"tol {tol:.0e}", ok)
             for n, e, tol, ok in testing.check_decode(rng, "pallas", **case)]
+
+
+def check_linear(rng, dtype: str, rows, k, n, norm, gelu, residual):
+    """Rows (output, err, note, ok) of the decode_linear kernel against its reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from sympow.layers.decode_linear import LayerNormWeights, linear, linear_reference
+
+    draw = lambda *shape, scale=1.0: jnp.asarray(  # noqa: E731
+        scale * rng.standard_normal(shape), jnp.float32)
+    x, w = draw(rows, k).astype(dtype), draw(k, n, scale=k ** -0.5).astype(dtype)
+    kw = dict(b=draw(n), gelu=gelu,
+              norm=LayerNormWeights(1 + draw(k, scale=0.1), draw(k, scale=0.1), 1e-5)
+              if norm else None, residual=draw(rows, n).astype(dtype) if residual else None)
+    got = jax.jit(lambda x, w: linear(x, w, **kw, out_dtype=jnp.float32))(x, w)
+    with jax.default_matmul_precision("highest"):
+        want = linear_reference(x, w, **kw, out_dtype=jnp.float32)
+    err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    tol = 1e-5 if dtype == "float32" else 2e-3  # bf16: the normalized x rounds to bf16
+    return [("y", err, f"tol {tol:.0e}", err < tol)]
+
+
+def check_fused_model(rng, dtype: str, variant: str, batch: int):
+    """Rows (output, err, note, ok): logits of 8 fused decoding steps of GPT-2 small's
+    first 2 layers against the blocks' own steps (same prompt, same teacher-forced
+    tokens), under float32 matmuls for dtype float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sympow.layers import GPT, GPTConfig, decode_step
+    from sympow.layers.fused_decode import decode_weights
+    from sympow.train.model import gpt_config
+
+    extra = {} if variant == "softmax" else {"p": 2}
+    config = gpt_config(GPTConfig.preset(variant, "small", n_layer=2, dtype=dtype,
+                                         max_length=64, **extra).__dict__)
+    graphdef, weights = nnx.split(GPT(config, rngs=nnx.Rngs(int(rng.integers(1 << 30)))))
+    toks = jnp.asarray(rng.integers(0, 50257, (batch, 48)), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(weights, toks, fused):
+        model = nnx.merge(graphdef, weights)
+        packed = decode_weights(model) if fused else None
+        _, cache = model.prefill(toks[:, :40], max_length=64, last_only=True)
+
+        def step(cache, token):
+            logits, cache = decode_step(model, token, cache, weights=packed)
+            return cache, logits
+
+        return jax.lax.scan(step, cache, toks[:, 40:].T)[1]  # [8, B, V]
+
+    with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+        got, want = run(weights, toks, True), run(weights, toks, False)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    tol = 1e-5 if dtype == "float32" else 3e-2  # bf16: the residual stream rounds apart
+    return [("logits", err, f"tol {tol:.0e}", err < tol)]
 
 
 def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
@@ -239,6 +308,13 @@ def main(argv):
                                      **dict(zip("b hq hk d e p".split(), shape, strict=True))))
                   for shape in DECODE_CASES for b, hq, hk, d, e, p in [shape]
                   for dtype in ("float32", "bfloat16") for gated in (True, False)]
+        checks += [(("layers", "decode_linear"), "r{}_k{}_n{}{}{}{}".format(
+                    *case[:3], "_ln" * case[3], "_gelu" * case[4], "_res" * case[5]), dtype,
+                    "decode", functools.partial(check_linear, rng, dtype, *case))
+                   for case in LINEAR_CASES for dtype in ("float32", "bfloat16")]
+        checks += [(("layers", "fused_decode"), f"gpt2_2layers_{variant}_b{batch}", dtype,
+                    "decode", functools.partial(check_fused_model, rng, dtype, variant, batch))
+                   for variant, batch in MODEL_CASES for dtype in ("float32", "bfloat16")]
     if _ONLY.value == "primitives":
         checks = [(("mosaic_gpu", "attention"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
                    *case), "bfloat16", "primitive",

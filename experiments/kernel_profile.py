@@ -12,7 +12,7 @@ ncu crashed on the H100 machine and nsys is not installed there (docs/benchmarks
 Decode cases `variant:p:prompt[:batch]`: GPT-2 small at bf16 parameters and compute (the
 decode benchmark's model), prefilled on random tokens (the step's work does not depend on
 them), then a jitted device loop of --steps greedy decode steps (generate's loop) traced
---reps times.
+--reps times, with each step of --decode_steps (the blocks' own decode, the fused step).
 Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
@@ -34,6 +34,9 @@ _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"]
                             "decode cases variant:p:prompt[:batch]")
 _ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:T:H")
 _STEPS = flags.DEFINE_integer("steps", 16, "decode steps per traced call", lower_bound=1)
+_DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
+                                  "decode steps to profile: blocks (each block's decode), "
+                                  "fused (sympow.layers.fused_decode)")
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
@@ -54,12 +57,13 @@ def traced(fn, *args, reps: int) -> dict:
     return summarize_kernels(events, calls=reps, wall_s=wall_s)
 
 
-def decode_case(spec: str) -> dict:
+def decode_case(spec: str, fused: bool) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from sympow.layers import GPT, GPTConfig
+    from sympow.layers import GPT, GPTConfig, decode_step
+    from sympow.layers.fused_decode import decode_weights
     from sympow.train.model import gpt_config
 
     variant, p, t, *batch = spec.split(":")
@@ -74,22 +78,25 @@ def decode_case(spec: str) -> dict:
         x, max_length=t + steps + 1, last_only=True))
     logits, cache = prefill(weights, prompt)
 
+    packed = jax.jit(lambda w: decode_weights(nnx.merge(graphdef, w)))(weights) if fused else None
+
     @jax.jit
-    def loop(weights, token, cache):  # generate's device loop, greedy
+    def loop(weights, packed, token, cache):  # generate's device loop, greedy
         model = nnx.merge(graphdef, weights)
 
         def step(carry, _):
             token, cache = carry
-            logits, cache = model.decode_step(token, cache)
+            logits, cache = decode_step(model, token, cache, weights=packed)
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return (token, cache), token
 
         return jax.lax.scan(step, (token, cache), None, length=steps)[1]
 
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    summary = traced(loop, weights, token, cache, reps=_REPS.value)
+    summary = traced(loop, weights, packed, token, cache, reps=_REPS.value)
     per_step = {key: round(summary[key] / steps, 4) for key in ("wall_ms", "busy_ms")}
-    return {"case": spec, "kind": "decode", "steps": steps, "per_step": per_step,
+    return {"case": spec, "kind": "decode", "decode_step": "fused" if fused else "blocks",
+            "steps": steps, "per_step": per_step,
             "kernels_per_step": round(summary["kernels_per_call"] / steps, 1), **summary}
 
 
@@ -125,12 +132,14 @@ def main(argv):
 
     results = []
     for spec in _DECODE.value:
-        results.append(decode_case(spec))
+        for step in _DECODE_STEPS.value:
+            results.append(decode_case(spec, fused=step == "fused"))
     for spec in _ATTENTION.value:
         results.append(attention_case(spec))
     device = jax.devices()[0].device_kind
     for r in results:
-        print(f"\n== {r['kind']} {r['case']} ({device}, jax {jax.__version__}): "
+        print(f"\n== {r['kind']} {r['case']} {r.get('decode_step', '')} ({device}, jax "
+              f"{jax.__version__}): "
               f"{r['wall_ms']:.3f} ms wall per call, {r['kernels_per_call']} kernels, "
               f"GPU busy {r['busy_ms']:.3f} ms" + (
                   f"; per step {r['per_step']['wall_ms']} ms wall, "

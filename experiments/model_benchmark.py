@@ -23,7 +23,8 @@ tokens, timed after a compiling call; ms/token = (generate - prefill) / new_toke
 of the whole batch), tokens/s = batch x new_tokens / (generate - prefill). Reported with the
 prefill time, the cache bytes and the peak memory. --decode_impls=reference,pallas times each
 sympow case with the jnp decoding step and with the fused kernel (the model's decode_impl;
-the prefill is the default choice in both).
+the prefill is the default choice in both); --decode_steps=blocks,fused times each with the
+blocks' own decode and with the fused step of sympow.layers.fused_decode (generate's fused).
 
 Forward cases are `variant:p:T`: inference wall time of the model's forward pass (logits of
 --tokens tokens, T-token windows) at bf16 parameters, the median of --reps calls after a
@@ -78,6 +79,12 @@ _DECODE_UNROLL = flags.DEFINE_integer("decode_unroll", 1, "decode steps per iter
                                       "generate's device loop (lax.scan unroll)", lower_bound=1)
 _DECODE_IMPL = flags.DEFINE_enum("decode_impl", "reference", ["reference", "pallas"],
                                  "internal: the decode_step impl of this decode case")
+_DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks"],
+                                  "steps to time per decode case: blocks (each block's "
+                                  "decode), fused (sympow.layers.fused_decode: the blocks' "
+                                  "products as fused kernels, B <= 64)")
+_DECODE_STEP = flags.DEFINE_enum("decode_step", "blocks", ["blocks", "fused"],
+                                 "internal: the step of this decode case")
 KINDS = {"train": "microbatches", "decode": "batch", "forward": None,
          "startup": None}  # kind: its 4th field
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +238,8 @@ def decode_case(case: dict) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from sympow.layers import GPT, generate
+    from sympow.layers import GPT, decode_step, generate
+    from sympow.layers.fused_decode import decode_weights
 
     t, n, batch = case["t"], _NEW_TOKENS.value, case["batch"]
     sympow = case["variant"] != "softmax"
@@ -255,11 +263,16 @@ def decode_case(case: dict) -> dict:
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.layers))
     cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
     del cache
-    generate_s, tokens = timed(lambda: generate(model, prompt, n, unroll=_DECODE_UNROLL.value))
+    fused = _DECODE_STEP.value == "fused"
+    generate_s, tokens = timed(lambda: generate(model, prompt, n, unroll=_DECODE_UNROLL.value,
+                                                fused=fused))
     decode_s = generate_s - prefill_s
-    step = jax.jit(lambda w, token, cache: nnx.merge(graphdef, w).decode_step(token, cache))
-    launches = kernel_launches(step.lower(weights, tokens[:, -1], cache_spec).compile().as_text())
-    return {**case, "kind": "decode", "new_tokens": n,
+    packed = jax.jit(lambda w: decode_weights(nnx.merge(graphdef, w)))(weights) if fused else None
+    step = jax.jit(lambda w, packed, token, cache: decode_step(
+        nnx.merge(graphdef, w), token, cache, weights=packed))
+    launches = kernel_launches(step.lower(weights, packed, tokens[:, -1],
+                                          cache_spec).compile().as_text())
+    return {**case, "kind": "decode", "new_tokens": n, "decode_step": _DECODE_STEP.value,
             "decode_impl": "kv cache" if case["variant"] == "softmax" else _DECODE_IMPL.value,
             "unroll": _DECODE_UNROLL.value, "launches_per_step": launches,
             "algorithm": chosen_algorithm(config, t, need_state=True),
@@ -355,11 +368,13 @@ def startup_case(case: dict) -> dict:
 CASES = {"train": train_case, "decode": decode_case, "forward": forward_case}
 
 
-def run_isolated(kind: str, spec: str, decode_impl: str = "reference") -> dict:
+def run_isolated(kind: str, spec: str, decode_impl: str = "reference",
+                 decode_step: str = "blocks") -> dict:
     """One case in its own process: its JSON line, or its error."""
     command = [sys.executable, __file__, f"--case={kind}:{spec}", f"--steps={_STEPS.value}",
                f"--tokens={_TOKENS.value}", f"--new_tokens={_NEW_TOKENS.value}",
                f"--size={_SIZE.value}", f"--reps={_REPS.value}", f"--decode_impl={decode_impl}",
+               f"--decode_step={decode_step}",
                f"--decode_unroll={_DECODE_UNROLL.value}"]
     case = {**parse_case(spec, kind), "kind": kind}
     try:
@@ -377,7 +392,8 @@ def report(results: list[dict]) -> None:
     print(f"{'case':<26}{'alg':>10}{'tok/s or ms/tok':>17}{'peak GiB':>10}  losses / note")
     for r in results:
         name = f"{r['kind']} {r['variant']} p{r['p']} T{r['t']}" + (
-            f" B{r['batch']} {r.get('decode_impl', '')}" if r["kind"] == "decode" else "")
+            f" B{r['batch']} {r.get('decode_impl', '')} {r.get('decode_step', '')}"
+            if r["kind"] == "decode" else "")
         if "error" in r:
             print(f"{name:<26}{'':>10}{'':>17}{'':>10}  ERROR {r['error'][:80]}")
             continue
@@ -415,15 +431,20 @@ def main(argv):
     bad = sorted(set(_DECODE_IMPLS.value) - {"reference", "pallas"})
     if bad or not _DECODE_IMPLS.value:
         raise ValueError(f"--decode_impls: each of reference, pallas, got {_DECODE_IMPLS.value}")
+    if set(_DECODE_STEPS.value) - {"blocks", "fused"} or not _DECODE_STEPS.value:
+        raise ValueError(f"--decode_steps: each of blocks, fused, got {_DECODE_STEPS.value}")
     out = Path(_OUT.value) if _OUT.value else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     for kind, specs in cases:
         for spec in specs:
             sympow_decode = kind == "decode" and not spec.startswith("softmax:")
-            for impl in _DECODE_IMPLS.value if sympow_decode else ["reference"]:
+            variants = [(impl, step)
+                        for impl in (_DECODE_IMPLS.value if sympow_decode else ["reference"])
+                        for step in (_DECODE_STEPS.value if kind == "decode" else ["blocks"])]
+            for impl, step in variants:
                 results.append(startup_case(parse_case(spec, kind)) if kind == "startup"
-                               else run_isolated(kind, spec, impl))
+                               else run_isolated(kind, spec, impl, step))
                 print(json.dumps(results[-1]), flush=True)
                 if out:  # after every case: a run stopped from outside keeps what it measured
                     (out / "model_benchmark.json").write_text(json.dumps(results, indent=1))

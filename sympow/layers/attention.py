@@ -164,6 +164,20 @@ class Rotary(nnx.Module):
         position: index of the first token (fixed rotary: mu_i = position + i).
         mu0: learned rotary's mu before the first token (None = start of the sequence).
         """
+        beta_logits = self.beta_proj(x) if self.kind == "learned" else None
+        return self.rotate(beta_logits, q, k, position=position, mu0=mu0)
+
+    def rotate(
+        self,
+        beta_logits: Float[Array, "B T Hk"] | None,
+        q: Float[Array, "B T Hq D"],
+        k: Float[Array, "B T Hk D"],
+        *,
+        position: Array | int = 0,
+        mu0: Float[Array, "B Hk"] | None = None,
+    ) -> tuple[Array, Array, Array | None]:
+        """`__call__` after the projection W_beta x (beta_logits; learned rotary only, else
+        None): what a caller that computed every projection in one product runs."""
         if self.kind == "none":
             return q, k, None
         theta = rotary_rates(self.head_dim, self.base)  # [D/2]
@@ -173,7 +187,7 @@ class Rotary(nnx.Module):
             positions = position + jnp.arange(t)
             angles = fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
             return apply_rotary(q, angles), apply_rotary(k, angles), None
-        beta = 1.0 + jnp.tanh(self.beta_proj(x))  # [B, T, Hk]
+        beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
         angles, mu = learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
         q = apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
         return q.reshape(b, t, hq, d), apply_rotary(k, angles), mu[:, -1]
@@ -225,13 +239,35 @@ class _Attention(nnx.Module):
 
     def project(self, x: Float[Array, "B T C"], *, position=0, mu0=None):
         """Returns (q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] | None, mu)."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_head, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, D]
-        v = self.v_proj(x).reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, E]
-        q, k, mu = self.rotary(x, q, k, position=position, mu0=mu0)
-        log_g = jax.nn.log_sigmoid(self.gate_proj(x)) if self.gating else None  # [B, T, Hk]
+        return self.heads([linear(x) for linear in self.projections()], position=position,
+                          mu0=mu0)
+
+    def projections(self) -> list[nnx.Linear]:
+        """The linear maps of x in the order `heads` takes their outputs: q, k, v, then the
+        gate's W_gamma (gating) and the rotary's W_beta (learned rotary)."""
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        linears += [self.gate_proj] if self.gating else []
+        return linears + ([self.rotary.beta_proj] if self.rotary.kind == "learned" else [])
+
+    def heads(self, outputs: list[Array], *, position=0, mu0=None):
+        """`project` from the outputs [B, T, n_i] of `projections()`: heads split, rotary,
+        the gate's log; the same returns."""
+        q, k, v, *rest = outputs
+        b, t, _ = q.shape
+        q = q.reshape(b, t, self.n_head, self.head_dim)  # [B, T, Hq, D]
+        k = k.reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, D]
+        v = v.reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, E]
+        gate = rest.pop(0) if self.gating else None
+        beta_logits = rest.pop(0) if self.rotary.kind == "learned" else None
+        q, k, mu = self.rotary.rotate(beta_logits, q, k, position=position, mu0=mu0)
+        log_g = None if gate is None else jax.nn.log_sigmoid(gate)  # [B, T, Hk]
         return q, k, v, log_g, mu
+
+    def decode(self, x: Float[Array, "B 1 C"], cache, position: Array):
+        """One token at index `position`: (output [B, 1, C], the cache after it)."""
+        q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
+        y, cache = self.decode_heads(q, k, v, log_g, mu, cache, position)
+        return self.merge_heads(y), cache
 
     def merge_heads(self, y: Float[Array, "B T Hq E"]) -> Float[Array, "B T C"]:
         return self.out_proj(y.reshape(*y.shape[:2], -1))
@@ -290,14 +326,16 @@ class SympowAttention(_Attention):
                            impl=self.impl, algorithm=self.algorithm)
         return self.merge_heads(y), SympowCache(state, mu)
 
-    def decode(self, x: Float[Array, "B 1 C"], cache: SympowCache, position: Array
-               ) -> tuple[Float[Array, "B 1 C"], SympowCache]:
-        """One token at index `position`, O(F E) per head whatever the context length."""
-        q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
+    def decode_heads(self, q: Float[Array, "B 1 Hq D"], k: Float[Array, "B 1 Hk D"],
+                     v: Float[Array, "B 1 Hk E"], log_g: Float[Array, "B 1 Hk"] | None, mu,
+                     cache: SympowCache, position: Array
+                     ) -> tuple[Float[Array, "B 1 Hq E"], SympowCache]:
+        """`decode` after the projections: O(F E) per head whatever the context length."""
+        del position
         state, y = decode_step(cache.state, q[:, 0], k[:, 0], v[:, 0],
                                None if log_g is None else log_g[:, 0], p=self.p,
                                impl=self.decode_impl)
-        return self.merge_heads(y[:, None]), SympowCache(state, mu)
+        return y[:, None], SympowCache(state, mu)
 
     def init_cache(self, batch: int, max_length: int | None = None) -> SympowCache:
         """An empty cache (no context); the state is float32 (float64 for float64 compute)."""
@@ -365,10 +403,11 @@ class SoftmaxAttention(_Attention):
         v_cache = jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, 0))  # [B, L, Hk, E]
         return self.merge_heads(y), KVCache(k_cache, v_cache, mu, start)
 
-    def decode(self, x: Float[Array, "B 1 C"], cache: KVCache, position: Array
-               ) -> tuple[Float[Array, "B 1 C"], KVCache]:
-        """One token at index `position` (< max_length; not checked, it is traced)."""
-        q, k, v, _, mu = self.project(x, position=position, mu0=cache.mu)
+    def decode_heads(self, q: Float[Array, "B 1 Hq D"], k: Float[Array, "B 1 Hk D"],
+                     v: Float[Array, "B 1 Hk E"], log_g: None, mu, cache: KVCache,
+                     position: Array) -> tuple[Float[Array, "B 1 Hq E"], KVCache]:
+        """`decode` after the projections; position < max_length (not checked: traced)."""
+        del log_g
         index = (0, position, 0, 0)
         k_cache = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), index)
         v_cache = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), index)
@@ -387,7 +426,7 @@ class SoftmaxAttention(_Attention):
         y = jnp.einsum("bhrl,blhe->bhre", weights, v_cache.astype(ct),
                        precision=jax.lax.Precision.HIGHEST)  # [B, Hk, R, E]
         y = y.reshape(b, 1, hq, -1).astype(self.dtype)
-        return self.merge_heads(y), KVCache(k_cache, v_cache, mu, cache.start)
+        return y, KVCache(k_cache, v_cache, mu, cache.start)
 
     def init_cache(self, batch: int, max_length: int) -> KVCache:
         shape = (batch, max_length, self.n_kv_head, self.head_dim)

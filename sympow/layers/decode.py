@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from sympow.layers import fused_decode
+
 __all__ = ["GPTCache", "prefill", "decode_step", "generate", "PAD_ID"]
 
 PAD_ID = -1  # generate's filler after each row's tokens (prompt_lengths): no token id
@@ -72,18 +74,26 @@ def _prefill_hidden(model, tokens, max_length, valid) -> tuple[Float[Array, "B T
     return x, GPTCache(tuple(caches), jnp.asarray(t, jnp.int32))
 
 
-def decode_step(model, token: Int[Array, " B"], cache: GPTCache
+def decode_step(model, token: Int[Array, " B"], cache: GPTCache, *, weights=None
                 ) -> tuple[Float[Array, "B V"], GPTCache]:
     """Consume one token per sequence at index cache.position; returns its logits [B, V].
 
     Time and memory per step are independent of the context length for sympow (the state
     has a fixed size); softmax reads its KV cache (O(max_length)).
+    weights: None runs each block's `decode`; `fused_decode.decode_weights(model)` runs the
+    blocks' products as fused kernels instead (B <= fused_decode.MAX_BATCH; the same
+    outputs up to rounding, several times fewer kernels a step).
     """
     x = model.embed(token[:, None])  # [B, 1, C]
-    caches = []
-    for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
-        x, layer_cache = block.decode(x, layer_cache, cache.position)
-        caches.append(layer_cache)
+    if weights is not None:
+        x, caches = fused_decode.fused_blocks(model, weights, x[:, 0], cache.layers,
+                                              cache.position)
+        x = x[:, None]
+    else:
+        caches = []
+        for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
+            x, layer_cache = block.decode(x, layer_cache, cache.position)
+            caches.append(layer_cache)
     return model.head(x)[:, 0], GPTCache(tuple(caches), cache.position + 1)
 
 
@@ -113,11 +123,13 @@ def _end_aligned(prompt: Int[Array, "B T"], lengths: Int[Array, " B"]):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy",
-                                             "max_length", "top_k", "vocab_limit", "unroll"))
+                                             "max_length", "top_k", "vocab_limit", "unroll",
+                                             "fused"))
 def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tokens: int,
               greedy: bool, max_length: int, top_k: int, vocab_limit: int | None,
-              unroll: int):
+              unroll: int, fused: bool):
     model = nnx.merge(graphdef, state)
+    weights = fused_decode.decode_weights(model) if fused else None  # packed once
     pick = functools.partial(_next_token, temperature=temperature, greedy=greedy, top_k=top_k,
                              vocab_limit=vocab_limit)
     aligned, valid = (prompt, None) if lengths is None else _end_aligned(prompt, lengths)
@@ -127,7 +139,7 @@ def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tok
 
     def step(carry, step_key):
         token, cache = carry
-        logits, cache = decode_step(model, token, cache)
+        logits, cache = decode_step(model, token, cache, weights=weights)
         next_token = pick(logits, step_key)
         return (next_token, cache), next_token
 
@@ -146,7 +158,8 @@ def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tok
 def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
              temperature: float = 0.0, rng: jax.Array | None = None,
              prompt_lengths: Int[Array, " B"] | None = None, top_k: int = 0,
-             vocab_limit: int | None = None, unroll: int = 1) -> Int[Array, "B T+N"]:
+             vocab_limit: int | None = None, unroll: int = 1,
+             fused: bool | None = None) -> Int[Array, "B T+N"]:
     """Continue `prompt` by max_new_tokens tokens: prefill, then a jit-compiled lax.scan of
     decode steps. temperature 0 = greedy (argmax); > 0 samples softmax(logits / temperature)
     with `rng` (a jax.random key). Returns int32 [B, T + max_new_tokens], prompt first.
@@ -162,6 +175,12 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
 
     unroll: decode steps per iteration of the device loop (lax.scan's unroll): fewer loop
     iterations, each with its own control overhead, for a longer compilation.
+
+    fused: decode with the blocks' products as fused kernels (`fused_decode`: packed
+    weights, a few kernels per block) or each block's `decode` (False). None: fused on a
+    GPU when the model and batch allow it (B <= fused_decode.MAX_BATCH), else not (the
+    kernels run in the slow Pallas interpreter off GPU). True where it cannot run:
+    ValueError with the reason.
 
     The model is split into (graphdef, state) with nnx.split, so one compilation serves
     every call with the same shapes, settings and model structure.
@@ -188,13 +207,18 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
         raise ValueError(f"prompt must be int [B, T] with T >= 1, got shape {prompt.shape}")
     if prompt_lengths is not None:
         prompt_lengths = _check_lengths(prompt_lengths, prompt.shape)
+    reason = fused_decode.fused_decode_reason(model, prompt.shape[0])
+    if fused is None:
+        fused = jax.default_backend() == "gpu" and reason is None
+    elif fused and reason:
+        raise ValueError(f"fused=True: the fused decoding step cannot run: {reason}")
     key = jax.random.key(0) if rng is None else rng
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, prompt, prompt_lengths, key,
                      jnp.float32(temperature or 1.0),
                      max_new_tokens=max_new_tokens, greedy=greedy,
                      max_length=prompt.shape[1] + max_new_tokens, top_k=top_k,
-                     vocab_limit=vocab_limit, unroll=unroll)
+                     vocab_limit=vocab_limit, unroll=unroll, fused=bool(fused))
 
 
 def _check_lengths(lengths, shape) -> Array:

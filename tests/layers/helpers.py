@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sympow.layers import GPT, PRESETS, GPTConfig
+from sympow.layers import GPT, PRESETS, GPTConfig, decode_step
+from sympow.layers.fused_decode import decode_weights
 
 VARIANTS = tuple(PRESETS)  # softmax, sympow, sympow_gating, conformal
 VOCAB = 48
@@ -57,9 +58,11 @@ def forward(graphdef, state, toks):
     return nnx.merge(graphdef, state)(toks)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def prefill_and_decode(graphdef, state, toks, prompt_len):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def prefill_and_decode(graphdef, state, toks, prompt_len, fused=False):
+    """Prefill then decode each remaining token; fused: the fused step (packed weights)."""
     model = nnx.merge(graphdef, state)
+    weights = decode_weights(model) if fused else None
     if prompt_len:
         logits, cache = model.prefill(toks[:, :prompt_len])
     else:
@@ -67,7 +70,7 @@ def prefill_and_decode(graphdef, state, toks, prompt_len):
         logits = jnp.zeros((toks.shape[0], 0, model.config.vocab_size), jnp.float32)
 
     def step(cache, token):
-        logits, cache = model.decode_step(token, cache)
+        logits, cache = decode_step(model, token, cache, weights=weights)
         return cache, logits
 
     cache, rest = jax.lax.scan(step, cache, toks[:, prompt_len:].T)  # [T - t, B, V]
@@ -78,10 +81,12 @@ def full_logits(model: GPT, toks: jax.Array) -> jax.Array:
     return forward(*nnx.split(model), toks)
 
 
-def decode_logits(model: GPT, toks: jax.Array, prompt_len: int) -> jax.Array:
+def decode_logits(model: GPT, toks: jax.Array, prompt_len: int, fused: bool = False
+                  ) -> jax.Array:
     """Logits at every position from prefill(toks[:, :prompt_len]) (an empty cache when 0)
-    then one decode step per remaining token, jit-compiled as used in practice."""
-    return prefill_and_decode(*nnx.split(model), toks, prompt_len)[0]
+    then one decode step per remaining token (fused: the fused step), jit-compiled as used
+    in practice."""
+    return prefill_and_decode(*nnx.split(model), toks, prompt_len, fused)[0]
 
 
 def rel_max_err(x, y) -> float:
