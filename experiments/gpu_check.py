@@ -71,11 +71,12 @@ QUICK = [0, 2, 4, 6, 7]
 DECODE_CASES = [(1, 12, 12, 64, 64, 2), (16, 12, 12, 64, 64, 2), (2, 4, 2, 16, 16, 2),
                 (1, 3, 1, 8, 32, 2), (1, 12, 12, 32, 64, 4), (4, 8, 8, 16, 128, 4)]
 # --only=decode, the products of the fused decoding step (sympow.layers.decode_linear): (rows,
-# K, N, LayerNorm, GELU, residual): GPT-2 small's four products at 16 and 64 rows, and a K
-# read in blocks of 64.
-LINEAR_CASES = [(16, 768, 2336, True, False, False), (16, 768, 768, False, False, True),
-                (16, 768, 3072, True, True, False), (16, 3072, 768, False, False, True),
-                (64, 768, 3072, True, True, True), (32, 192, 48, True, False, True)]
+# K, N, LayerNorm, GELU, residual): GPT-2 small's four products at 1, 16 and 64 rows, and 5
+# rows with K read in blocks of 64.
+LINEAR_CASES = [(1, 768, 2336, True, False, False), (1, 768, 768, False, False, True),
+                (1, 768, 3072, True, True, False), (1, 3072, 768, False, False, True),
+                (16, 3072, 768, False, False, True), (64, 768, 3072, True, True, True),
+                (5, 192, 48, True, False, True)]
 # --only=decode, GPT-2 small (2 of its layers) decoding 8 tokens after a 40-token prompt with
 # the fused step against the blocks' step: (variant, batch).
 MODEL_CASES = [("conformal", 1), ("conformal", 5), ("softmax", 1), ("sympow", 16)]
@@ -132,13 +133,13 @@ def check_linear(rng, dtype: str, rows, k, n, norm, gelu, residual):
 
     draw = lambda *shape, scale=1.0: jnp.asarray(  # noqa: E731
         scale * rng.standard_normal(shape), jnp.float32)
-    x, w = draw(rows, k).astype(dtype), draw(k, n, scale=k ** -0.5).astype(dtype)
+    x, wt = draw(rows, k).astype(dtype), draw(n, k, scale=k ** -0.5).astype(dtype)
     kw = dict(b=draw(n), gelu=gelu,
               norm=LayerNormWeights(1 + draw(k, scale=0.1), draw(k, scale=0.1), 1e-5)
               if norm else None, residual=draw(rows, n).astype(dtype) if residual else None)
-    got = jax.jit(lambda x, w: linear(x, w, **kw, out_dtype=jnp.float32))(x, w)
+    got = jax.jit(lambda x, wt: linear(x, wt, **kw, out_dtype=jnp.float32))(x, wt)
     with jax.default_matmul_precision("highest"):
-        want = linear_reference(x, w, **kw, out_dtype=jnp.float32)
+        want = linear_reference(x, wt, **kw, out_dtype=jnp.float32)
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     tol = 1e-5 if dtype == "float32" else 2e-3  # bf16: the normalized x rounds to bf16
     return [("y", err, f"tol {tol:.0e}", err < tol)]

@@ -8,12 +8,15 @@ for GPT-2 small's, 3-6x its weight-reading time, docs/benchmarks.md) and the Lay
 GELU and residual around it as separate launches. Here one program per column block of W
 streams its [K, block_n] slice once:
 
-    out = act(LN(x) @ W + b) + residual      # x [R, K], W [K, N] -> [R, N]
+    out = act(LN(x) @ W + b) + residual      # x [B, K], W [K, N] -> [B, N]
 
-with LN, b, act (tanh GELU) and residual each optional. The rows R are a multiple of 16
-(the tensor cores' smallest row block; callers keep the residual stream padded to it), K is
-read in blocks of `block_k` (a power of two dividing K: Triton loads powers of two) and N
-in blocks of `block_n` (16 here: many programs for the few columns of a GEMV).
+with LN, b, act (tanh GELU) and residual each optional. W comes transposed, wt [N, K], so a
+program's slab (BLOCK_N outputs' weights) is one contiguous stretch of memory; it is read in
+[BLOCK_N, block_k] tiles (block_k a power of two dividing K, at most MAX_BLOCK_K: Triton
+loads powers of two) through a multi-stage pipeline. The rows are loaded and stored
+masked to the next multiple of ROW_BLOCK (16, the tensor cores' smallest row block), so
+callers keep [B, C] as it is. BLOCK_N = 16 columns a program: many programs for the few
+columns of a GEMV.
 
 `linear_reference` is the specification (the same formula in jnp, float32 accumulation).
 On GPU the kernel lowers through Triton; elsewhere it runs in the Pallas interpreter.
@@ -27,15 +30,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
 from sympow.attention.pallas.launch import launch
 
-__all__ = ["ROW_BLOCK", "LayerNormWeights", "linear", "linear_reference", "linear_shapes_reason",
-           "padded_rows"]
+__all__ = ["MAX_ROWS", "LayerNormWeights", "linear", "linear_reference", "linear_shapes_reason"]
 
-ROW_BLOCK = 16  # rows of a program: the smallest row block of a tensor-core product
-MAX_BLOCK_K = 256
+ROW_BLOCK = 16  # the smallest row block of a tensor-core product
+MAX_ROWS = 64
+MAX_BLOCK_K = 512
 BLOCK_N = 16
 
 
@@ -53,9 +57,10 @@ jax.tree_util.register_pytree_node(
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
+    rows: int  # the rows the kernel computes: x's, padded to a multiple of ROW_BLOCK
     block_k: int
     interpret: bool
-    stages: int = 2
+    stages: int = 3
 
 
 def padded_rows(rows: int) -> int:
@@ -63,8 +68,10 @@ def padded_rows(rows: int) -> int:
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
 
-def linear_shapes_reason(k: int, n: int) -> str | None:
-    """Why a [K, N] product cannot run in the kernel, or None when it can."""
+def linear_shapes_reason(rows: int, k: int, n: int) -> str | None:
+    """Why x [rows, K] @ W [K, N] cannot run in the kernel, or None when it can."""
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (the kernel takes 1 to {MAX_ROWS})"
     if k % ROW_BLOCK:
         return f"K = {k} is not a multiple of {ROW_BLOCK}"
     if n % BLOCK_N:
@@ -81,13 +88,13 @@ def _normalize(x, mean, rstd, scale, shift):
     return (x.astype(jnp.float32) - mean) * rstd * scale + shift
 
 
-def linear_reference(x: Float[Array, "R K"], w: Float[Array, "K N"],
+def linear_reference(x: Float[Array, "B K"], wt: Float[Array, "N K"],
                      b: Float[Array, " N"] | None = None, *,
                      norm: LayerNormWeights | None = None, gelu: bool = False,
-                     residual: Float[Array, "R N"] | None = None, out_dtype=None
-                     ) -> Float[Array, "R N"]:
-    """act(LN(x) @ w + b) + residual in jnp: the product of LN(x) cast to w's dtype, in
-    float32, everything after it in float32, cast to out_dtype (None: x's dtype)."""
+                     residual: Float[Array, "B N"] | None = None, out_dtype=None
+                     ) -> Float[Array, "B N"]:
+    """act(LN(x) @ wt^T + b) + residual in jnp: the product of LN(x) cast to wt's dtype,
+    in float32, everything after it in float32, cast to out_dtype (None: x's dtype)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if norm is not None:
         xf = x.astype(jnp.float32)
@@ -95,7 +102,7 @@ def linear_reference(x: Float[Array, "R K"], w: Float[Array, "K N"],
         var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0.0)
         x = _normalize(x, mean, jax.lax.rsqrt(var + norm.eps),
                        norm.scale.astype(jnp.float32), norm.bias.astype(jnp.float32))
-    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32,
+    y = jnp.dot(x.astype(wt.dtype), wt.T, preferred_element_type=jnp.float32,
                 precision=jax.lax.Precision.HIGHEST)
     if b is not None:
         y = y + b.astype(jnp.float32)
@@ -108,102 +115,105 @@ def linear_reference(x: Float[Array, "R K"], w: Float[Array, "K N"],
 
 def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: bool,
                    has_residual: bool, eps: float):
-    x_ref, w_ref, *rest = refs
+    x_ref, wt_ref, *rest = refs
     scale_ref, shift_ref = (rest.pop(0), rest.pop(0)) if has_norm else (None, None)
     b_ref = rest.pop(0) if has_bias else None
     res_ref = rest.pop(0) if has_residual else None
     (o_ref,) = rest
-    rows, k = x_ref.shape
-    bk, steps = plan.block_k, k // plan.block_k
+    b, k = x_ref.shape
+    bk, steps, rows = plan.block_k, k // plan.block_k, plan.rows
     block = lambda i: pl.ds(pl.multiple_of(i * bk, bk), bk)  # noqa: E731
+    valid = jnp.arange(rows)[:, None] < b  # [rows, 1]: the rows past x's are zeros
+
+    def x_block(i):
+        return plt.load(x_ref.at[pl.ds(0, rows), block(i)], mask=valid, other=0)  # [rows, bk]
+
     mean = rstd = None
     if has_norm:
         def stats(i, carry):
-            xb = x_ref[:, block(i)].astype(jnp.float32)  # [R, bk]
+            xb = x_block(i).astype(jnp.float32)
             return (carry[0] + jnp.sum(xb, axis=1, keepdims=True),
                     carry[1] + jnp.sum(xb * xb, axis=1, keepdims=True))
 
         zero = jnp.zeros((rows, 1), jnp.float32)
         total, squares = jax.lax.fori_loop(0, steps, stats, (zero, zero))
-        mean = total / k  # [R, 1]
+        mean = total / k  # [rows, 1]
         rstd = jax.lax.rsqrt(jnp.maximum(squares / k - mean * mean, 0.0) + eps)
 
     def product(i, acc):
-        xb = x_ref[:, block(i)]  # [R, bk]
+        xb = x_block(i)
         if has_norm:
-            xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(
-                jnp.float32), shift_ref[block(i)][None, :].astype(jnp.float32))
-        wb = w_ref[block(i), :]  # [bk, block_n]
+            xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(jnp.float32),
+                            shift_ref[block(i)][None, :].astype(jnp.float32))
+        wb = wt_ref[:, block(i)]  # [block_n, bk], contiguous rows of wt
         exact = wb.dtype == jnp.float32  # float32 weights: no TF32 rounding on the GPU
         return acc + jax.lax.dot_general(
-            xb.astype(wb.dtype), wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
-    acc = jax.lax.fori_loop(0, steps, product, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, product, jnp.zeros((rows, BLOCK_N), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
     if gelu:
         acc = _gelu(acc)
     if has_residual:
-        acc = acc + res_ref[...].astype(jnp.float32)
-    o_ref[...] = acc.astype(o_ref.dtype)
+        acc = acc + plt.load(res_ref.at[pl.ds(0, rows), :], mask=valid, other=0).astype(
+            jnp.float32)
+    plt.store(o_ref.at[pl.ds(0, rows), :], acc.astype(o_ref.dtype), mask=valid)
 
 
-def linear(x: Float[Array, "R K"], w: Float[Array, "K N"], b: Float[Array, " N"] | None = None,
+def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"] | None = None,
            *, norm: LayerNormWeights | None = None, gelu: bool = False,
-           residual: Float[Array, "R N"] | None = None, out_dtype=None,
-           interpret: bool | None = None) -> Float[Array, "R N"]:
-    """act(LN(x) @ w + b) + residual in one kernel (see the module docstring).
+           residual: Float[Array, "B N"] | None = None, out_dtype=None,
+           interpret: bool | None = None) -> Float[Array, "B N"]:
+    """act(LN(x) @ wt^T + b) + residual in one kernel (see the module docstring).
 
-    x: [R, K] with R a multiple of ROW_BLOCK (`padded_rows`); w: [K, N] in the product's
-    dtype (x, after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows
-    first; gelu: GPT-2's tanh GELU after the bias; residual: [R, N] added last. Sums in
-    float32; the result in out_dtype (None: x's dtype). interpret: None = the Pallas
-    interpreter unless the default backend is a GPU.
+    x: [B, K], 1 <= B <= MAX_ROWS; wt: [N, K], W transposed, in the product's dtype (x,
+    after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows first; gelu:
+    GPT-2's tanh GELU after the bias; residual: [B, N] added last. K and N multiples of 16.
+    Sums in float32; the result in out_dtype (None: x's dtype). interpret: None = the
+    Pallas interpreter unless the default backend is a GPU.
     """
-    r, k = x.shape
-    if w.ndim != 2 or w.shape[0] != k:
-        raise ValueError(f"w must be [K, N] with K = {k} (x's columns), got w.shape = "
-                         f"{w.shape}")
-    n = w.shape[1]
-    if r % ROW_BLOCK:
-        raise ValueError(f"x must have a multiple of {ROW_BLOCK} rows (padded_rows), got "
-                         f"x.shape = {x.shape}")
-    reason = linear_shapes_reason(k, n)
+    if x.ndim != 2 or wt.ndim != 2 or wt.shape[1] != x.shape[1]:
+        raise ValueError(f"x must be [B, K] and wt [N, K] (W transposed), got x.shape = "
+                         f"{x.shape} and wt.shape = {wt.shape}")
+    rows, k = x.shape
+    n = wt.shape[0]
+    reason = linear_shapes_reason(rows, k, n)
     if reason:
-        raise ValueError(f"x [R, K] @ w [K, N] = {x.shape} @ {w.shape}: {reason}")
+        raise ValueError(f"x [B, K] = {x.shape} times wt [N, K] = {wt.shape}: {reason}")
     if b is not None and b.shape != (n,):
         raise ValueError(f"b must be [N] = [{n}], got b.shape = {b.shape}")
-    if residual is not None and residual.shape != (r, n):
-        raise ValueError(f"residual must be [R, N] = [{r}, {n}], got {residual.shape}")
+    if residual is not None and residual.shape != (rows, n):
+        raise ValueError(f"residual must be [B, N] = [{rows}, {n}], got {residual.shape}")
     if norm is not None and (norm.scale.shape != (k,) or norm.bias.shape != (k,)):
         raise ValueError(f"norm scale and bias must be [K] = [{k}], got "
                          f"{norm.scale.shape} and {norm.bias.shape}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    plan = _Plan(block_k=min(MAX_BLOCK_K, k & -k), interpret=interpret)
+    plan = _Plan(rows=padded_rows(rows), block_k=min(MAX_BLOCK_K, k & -k), interpret=interpret)
     return _launch(plan, norm is not None, b is not None, gelu, residual is not None,
                    None if norm is None else norm.eps,
                    jnp.dtype(x.dtype if out_dtype is None else out_dtype),
-                   x, w, *(() if norm is None else (norm.scale, norm.bias)),
+                   x, wt, *(() if norm is None else (norm.scale, norm.bias)),
                    *(() if b is None else (b.reshape(1, n),)),
                    *(() if residual is None else (residual,)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _launch(plan, has_norm, has_bias, gelu, has_residual, eps, out_dtype, x, w, *operands):
-    r, k = x.shape
-    n = w.shape[1]
-    columns = lambda rows: pl.BlockSpec((rows, BLOCK_N), lambda j: (0, j))  # noqa: E731
+def _launch(plan, has_norm, has_bias, gelu, has_residual, eps, out_dtype, x, wt, *operands):
+    rows, k = x.shape
+    n = wt.shape[0]
+    columns = lambda r: pl.BlockSpec((r, BLOCK_N), lambda j: (0, j))  # noqa: E731
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    in_specs = [whole(r, k), pl.BlockSpec((k, BLOCK_N), lambda j: (0, j))]
+    in_specs = [whole(rows, k), pl.BlockSpec((BLOCK_N, k), lambda j: (j, 0))]
     in_specs += [whole(k), whole(k)] if has_norm else []
     in_specs += [columns(1)] if has_bias else []
-    in_specs += [columns(r)] if has_residual else []
+    in_specs += [columns(rows)] if has_residual else []
     kernel = functools.partial(_linear_kernel, plan=plan, has_norm=has_norm,
                                has_bias=has_bias, gelu=gelu, has_residual=has_residual,
                                eps=eps)
     return launch(kernel, plan=plan, name="sympow_decode_linear", grid=(n // BLOCK_N,),
-                  in_specs=in_specs, out_specs=columns(r),
-                  out_shape=jax.ShapeDtypeStruct((r, n), out_dtype), warps=4,
-                  stages=plan.stages)(x, w, *operands)
+                  in_specs=in_specs, out_specs=columns(rows),
+                  out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype), warps=4,
+                  stages=plan.stages)(x, wt, *operands)

@@ -13,8 +13,7 @@ surrounds it fused in:
     x = linear(linear(x, W_fc, b_fc, norm=ln2, gelu=True), W_proj, b_proj, residual=x)
 
 Same model, same cache, the same outputs up to rounding (tested against the layers'
-`decode`). The residual stream stays [R, C], R = `padded_rows(B)`: rows past B are
-row-independent filler that nothing reads. The weights are packed once per `generate`
+`decode`). The weights are packed once per `generate`
 (`decode_weights`), in the compute dtype; W_gamma and W_beta, whose outputs add up over the
 context (the gate's product, the learned rotary's mu), enter as two columns each, the
 compute-dtype part and the remainder, so their products keep the parameters' precision.
@@ -30,24 +29,25 @@ from jaxtyping import Array, Float
 
 from sympow.layers.decode_linear import (
     BLOCK_N,
+    MAX_ROWS,
     LayerNormWeights,
     linear,
     linear_shapes_reason,
-    padded_rows,
 )
 
 __all__ = ["MAX_BATCH", "BlockWeights", "block_weights", "decode_weights", "fused_blocks",
            "fused_decode_reason", "split_outputs"]
 
-MAX_BATCH = 64  # sequences a fused step takes (rows of its products)
+MAX_BATCH = MAX_ROWS  # sequences a fused step takes (rows of its products)
 
 
 class BlockWeights(NamedTuple):
-    """One block's weights for the fused step, in the compute dtype (biases float32).
+    """One block's weights for the fused step, in the compute dtype (biases float32),
+    each kernel transposed ([outputs, inputs]: what `decode_linear.linear` streams).
 
-    w_in [C, N_in]: the projections' kernels side by side (`_Attention.projections` order;
+    w_in [N_in, C]: the projections' kernels stacked (`_Attention.projections` order;
     W_gamma and W_beta as a compute-dtype part and a remainder), N_in padded with zero
-    columns to a multiple of BLOCK_N; w_out [C, C]; w_fc [C, 4C]; w_proj [4C, C].
+    rows to a multiple of BLOCK_N; w_out [C, C]; w_fc [4C, C]; w_proj [C, 4C].
     """
 
     ln1: LayerNormWeights
@@ -93,11 +93,11 @@ def block_weights(block) -> BlockWeights:
     dtype = jnp.dtype(block.attn.dtype)
     w_in, b_in = _input_columns(block.attn, dtype)
     pad = -w_in.shape[1] % BLOCK_N
+    transposed = lambda layer: layer.kernel[...].astype(dtype).T  # noqa: E731
     return BlockWeights(
-        _layer_norm(block.ln1), jnp.pad(w_in, ((0, 0), (0, pad))), jnp.pad(b_in, (0, pad)),
-        block.attn.out_proj.kernel[...].astype(dtype), _bias(block.attn.out_proj),
-        _layer_norm(block.ln2), block.fc.kernel[...].astype(dtype), _bias(block.fc),
-        block.proj.kernel[...].astype(dtype), _bias(block.proj))
+        _layer_norm(block.ln1), jnp.pad(w_in, ((0, 0), (0, pad))).T, jnp.pad(b_in, (0, pad)),
+        transposed(block.attn.out_proj), _bias(block.attn.out_proj), _layer_norm(block.ln2),
+        transposed(block.fc), _bias(block.fc), transposed(block.proj), _bias(block.proj))
 
 
 def decode_weights(model) -> tuple[BlockWeights, ...]:
@@ -106,20 +106,20 @@ def decode_weights(model) -> tuple[BlockWeights, ...]:
 
 
 def fused_decode_reason(model, batch: int) -> str | None:
-    """Why `fused_decode_step` cannot run `model` at `batch` sequences, or None."""
+    """Why `fused_blocks` cannot run `model` at `batch` sequences, or None."""
     if batch > MAX_BATCH:
         return f"batch {batch} > {MAX_BATCH} (MAX_BATCH)"
     c = model.config.d_model
     hidden = model.config.mlp_ratio * c
     for k, n in ((c, c), (c, hidden), (hidden, c)):
-        reason = linear_shapes_reason(k, n)
+        reason = linear_shapes_reason(batch, k, n)
         if reason:
             return f"a [{k}, {n}] product of the block: {reason}"
     return None
 
 
 def split_outputs(z: Float[Array, "B N"], attn) -> list[Array]:
-    """The projections' outputs [B, 1, n_i] from the packed product's columns, in each
+    """The projections' outputs [B, 1, n_i] from the packed product z [B, N_in], in each
     projection's output dtype; the scalar-per-head ones summed from their two parts."""
     linears = attn.projections()
     widths = [layer.kernel.shape[1] for layer in linears]
@@ -135,15 +135,13 @@ def split_outputs(z: Float[Array, "B N"], attn) -> list[Array]:
                                                                         strict=True)]
 
 
-def _block_step(block, weights: BlockWeights, x: Float[Array, "R C"], cache, position,
-                batch: int):
+def _block_step(block, weights: BlockWeights, x: Float[Array, "B C"], cache, position):
     attn = block.attn
     z = linear(x, weights.w_in, weights.b_in, norm=weights.ln1, out_dtype=jnp.float32)
-    q, k, v, log_g, mu = attn.heads(split_outputs(z[:batch], attn), position=position,
-                                    mu0=cache.mu)
+    q, k, v, log_g, mu = attn.heads(split_outputs(z, attn), position=position, mu0=cache.mu)
     y, cache = attn.decode_heads(q, k, v, log_g, mu, cache, position)  # [B, 1, Hq, E]
-    y = jnp.pad(y.reshape(batch, -1).astype(x.dtype), ((0, x.shape[0] - batch), (0, 0)))
-    x = linear(y, weights.w_out, weights.b_out, residual=x)
+    x = linear(y.reshape(x.shape[0], -1).astype(x.dtype), weights.w_out, weights.b_out,
+               residual=x)
     hidden = linear(x, weights.w_fc, weights.b_fc, norm=weights.ln2, gelu=True)
     return linear(hidden, weights.w_proj, weights.b_proj, residual=x), cache
 
@@ -161,9 +159,8 @@ def fused_blocks(model, weights: tuple[BlockWeights, ...], x: Float[Array, "B C"
     if len(weights) != len(model.blocks):
         raise ValueError(f"weights must hold one BlockWeights per block ({len(model.blocks)}),"
                          f" got {len(weights)}: build them with decode_weights(model)")
-    x = jnp.pad(x, ((0, padded_rows(batch) - batch), (0, 0)))  # [R, C]
     caches = []
     for block, packed, layer_cache in zip(model.blocks, weights, layers, strict=True):
-        x, layer_cache = _block_step(block, packed, x, layer_cache, position, batch)
+        x, layer_cache = _block_step(block, packed, x, layer_cache, position)
         caches.append(layer_cache)
-    return x[:batch], tuple(caches)
+    return x, tuple(caches)

@@ -43,7 +43,7 @@ def test_fused_step_matches_blocks_fp32(variant):
 
 
 def test_fused_step_from_an_empty_cache_and_grouped_heads_odd_batch():
-    """Decoding from position 0 with 3 sequences (rows padded to 16 inside). On these
+    """Decoding from position 0 with 3 sequences (16 rows inside the kernels). On these
     inputs the blocks' own step is 1.3e-6 from the forward at position 0 (float32 rounding
     of a one-token state): the fused step must be as close as that, and to the blocks'."""
     model = randomized(tiny("conformal"))
