@@ -13,10 +13,10 @@ streams its [K, block_n] slice once:
 with LN, b, act (tanh GELU) and residual each optional. W comes transposed, wt [N, K], so a
 program's slab (BLOCK_N outputs' weights) is one contiguous stretch of memory; it is read in
 [BLOCK_N, block_k] tiles (block_k a power of two dividing K, at most MAX_BLOCK_K: Triton
-loads powers of two) through a multi-stage pipeline. The rows are loaded and stored
-masked to the next multiple of ROW_BLOCK (16, the tensor cores' smallest row block), so
-callers keep [B, C] as it is. BLOCK_N = 16 columns a program: many programs for the few
-columns of a GEMV.
+loads powers of two) through a pipeline of STAGES stages of at most STAGE_BYTES each. The
+rows are loaded and stored masked to the next multiple of ROW_BLOCK (16, the tensor cores'
+smallest row block), so callers keep [B, C] as it is. BLOCK_N = 16 columns a program: many
+programs for the few columns of a GEMV.
 
 `linear_reference` is the specification (the same formula in jnp, float32 accumulation).
 On GPU the kernel lowers through Triton; elsewhere it runs in the Pallas interpreter.
@@ -35,12 +35,15 @@ from jaxtyping import Array, Float
 
 from sympow.attention.pallas.launch import launch
 
-__all__ = ["MAX_ROWS", "LayerNormWeights", "linear", "linear_reference", "linear_shapes_reason"]
+__all__ = ["MAX_ROWS", "LayerNormWeights", "block_k", "linear", "linear_reference",
+           "linear_shapes_reason"]
 
 ROW_BLOCK = 16  # the smallest row block of a tensor-core product
 MAX_ROWS = 64
 MAX_BLOCK_K = 512
 BLOCK_N = 16
+STAGES = 3
+STAGE_BYTES = 48 * 1024  # x and wt tiles of one pipeline stage (3 fit the 227 KiB of an SM)
 
 
 class LayerNormWeights:
@@ -60,12 +63,21 @@ class _Plan:
     rows: int  # the rows the kernel computes: x's, padded to a multiple of ROW_BLOCK
     block_k: int
     interpret: bool
-    stages: int = 3
+    stages: int = STAGES
 
 
 def padded_rows(rows: int) -> int:
     """Rows the kernel runs at: the next multiple of ROW_BLOCK."""
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
+
+
+def block_k(rows: int, k: int, itemsize: int) -> int:
+    """The widest power of two <= MAX_BLOCK_K dividing K whose stage, an x tile of `rows`
+    and a wt tile of BLOCK_N rows, fits STAGE_BYTES (at least 16: K is a multiple of it)."""
+    bk = min(MAX_BLOCK_K, k & -k)
+    while bk > ROW_BLOCK and (rows + BLOCK_N) * bk * itemsize > STAGE_BYTES:
+        bk //= 2
+    return bk
 
 
 def linear_shapes_reason(rows: int, k: int, n: int) -> str | None:
@@ -191,7 +203,9 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
                          f"{norm.scale.shape} and {norm.bias.shape}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    plan = _Plan(rows=padded_rows(rows), block_k=min(MAX_BLOCK_K, k & -k), interpret=interpret)
+    itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(wt.dtype).itemsize)
+    plan = _Plan(rows=padded_rows(rows), block_k=block_k(padded_rows(rows), k, itemsize),
+                 interpret=interpret)
     return _launch(plan, norm is not None, b is not None, gelu, residual is not None,
                    None if norm is None else norm.eps,
                    jnp.dtype(x.dtype if out_dtype is None else out_dtype),

@@ -15,7 +15,10 @@ from flax import nnx
 
 from sympow.layers.decode_linear import (
     MAX_ROWS,
+    STAGE_BYTES,
+    STAGES,
     LayerNormWeights,
+    block_k,
     linear,
     linear_reference,
     linear_shapes_reason,
@@ -106,3 +109,14 @@ def test_lowers_for_cuda_through_triton():
     text = jax.jit(fused).trace(x, wt, jnp.zeros(768), jnp.zeros((1, 768), jnp.bfloat16)
                                 ).lower(lowering_platforms=("cuda",)).as_text()
     assert "sympow_decode_linear" in text
+
+
+def test_block_k_fits_the_shared_memory_of_three_stages():
+    """GPT-2 small's products: K in the widest blocks whose stage fits STAGE_BYTES (64 float32
+    rows at K = 768 asked for 228 KiB of shared memory at 512 on the H100)."""
+    assert block_k(16, 768, 2) == 256 and block_k(16, 3072, 2) == 512
+    assert block_k(64, 768, 4) == 128 and block_k(64, 3072, 2) == 256
+    for rows, k, itemsize in itertools.product((16, 32, 64), (768, 3072, 48), (2, 4)):
+        bk = block_k(rows, k, itemsize)
+        assert k % bk == 0 and bk & (bk - 1) == 0
+        assert bk == 16 or (rows + 16) * bk * itemsize * STAGES <= 3 * STAGE_BYTES
