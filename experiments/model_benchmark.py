@@ -19,8 +19,9 @@ finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
 bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
-tokens, timed after a compiling call; ms/token = (generate - prefill) / new_tokens (one step
-of the whole batch), tokens/s = batch x new_tokens / (generate - prefill). Reported with the
+tokens, the medians of --reps calls after a compiling one; ms/token = (generate - prefill) /
+new_tokens (one step of the whole batch), tokens/s = batch x new_tokens / (generate -
+prefill). Reported with the
 prefill time, the cache bytes and the peak memory. --decode_impls=reference,pallas times each
 sympow case with the jnp decoding step and with the fused kernel (the model's decode_impl;
 the prefill is the default choice in both); --decode_steps=blocks,fused times each with the
@@ -67,7 +68,8 @@ _STARTUP = flags.DEFINE_list("startup", [], "start-up cases variant:p:context (t
 _STARTUP_CONFIG = flags.DEFINE_string("startup_config", "configs/gpt2_context4096.py",
                                       "config file[:arg] of the start-up cases (the case "
                                       "adds variant, p and steps=2 to its arg)")
-_REPS = flags.DEFINE_integer("reps", 5, "timed calls per forward case (median)")
+_REPS = flags.DEFINE_integer("reps", 5, "timed calls per forward case, and of prefill and "
+                             "generate per decode case (medians)")
 _STEPS = flags.DEFINE_integer("steps", 8, "training steps per case")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "tokens per training step")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "tokens generated per decode case")
@@ -253,11 +255,14 @@ def decode_case(case: dict) -> dict:
     def prefill(weights, prompt):
         return nnx.merge(graphdef, weights).prefill(prompt, max_length=t + n, last_only=True)
 
-    def timed(fn):
-        jax.block_until_ready(fn())  # compiles
-        start = time.perf_counter()
+    def timed(fn):  # the median of --reps calls after a compiling one
         out = jax.block_until_ready(fn())
-        return time.perf_counter() - start, out
+        times = []
+        for _ in range(_REPS.value):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), out
 
     prefill_s, (_, cache) = timed(lambda: prefill(weights, prompt))
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.layers))
