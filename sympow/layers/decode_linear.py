@@ -35,8 +35,8 @@ from jaxtyping import Array, Float
 
 from sympow.attention.pallas.launch import launch
 
-__all__ = ["MAX_ROWS", "LayerNormWeights", "block_k", "linear", "linear_reference",
-           "linear_shapes_reason"]
+__all__ = ["MAX_ROWS", "LayerNormWeights", "LinearTiles", "block_k", "linear",
+           "linear_reference", "linear_shapes_reason"]
 
 ROW_BLOCK = 16  # the smallest row block of a tensor-core product
 MAX_ROWS = 64
@@ -59,11 +59,34 @@ jax.tree_util.register_pytree_node(
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearTiles:
+    """The kernel's launch shape: block_n outputs a program (a multiple of BLOCK_N; N not a
+    multiple of it runs at BLOCK_N), `warps` warps, `stages` pipeline stages, K tiles of at
+    most max_block_k."""
+
+    block_n: int = BLOCK_N
+    warps: int = 4
+    stages: int = STAGES
+    max_block_k: int = MAX_BLOCK_K
+
+    def __post_init__(self):
+        for name in ("block_n", "max_block_k"):
+            value = getattr(self, name)
+            if value < BLOCK_N or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {BLOCK_N}, got {value}")
+        if self.warps not in (1, 2, 4, 8) or self.stages < 1:
+            raise ValueError(f"warps must be 1, 2, 4 or 8 and stages >= 1, got warps = "
+                             f"{self.warps}, stages = {self.stages}")
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     rows: int  # the rows the kernel computes: x's, padded to a multiple of ROW_BLOCK
+    block_n: int
     block_k: int
+    warps: int
+    stages: int
     interpret: bool
-    stages: int = STAGES
 
 
 def padded_rows(rows: int) -> int:
@@ -71,11 +94,12 @@ def padded_rows(rows: int) -> int:
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
 
-def block_k(rows: int, k: int, itemsize: int) -> int:
-    """The widest power of two <= MAX_BLOCK_K dividing K whose stage, an x tile of `rows`
-    and a wt tile of BLOCK_N rows, fits STAGE_BYTES (at least 16: K is a multiple of it)."""
-    bk = min(MAX_BLOCK_K, k & -k)
-    while bk > ROW_BLOCK and (rows + BLOCK_N) * bk * itemsize > STAGE_BYTES:
+def block_k(rows: int, k: int, itemsize: int, block_n: int = BLOCK_N,
+            max_block_k: int = MAX_BLOCK_K) -> int:
+    """The widest power of two <= max_block_k dividing K whose stage, an x tile of `rows`
+    and a wt tile of block_n rows, fits STAGE_BYTES (at least 16: K is a multiple of it)."""
+    bk = min(max_block_k, k & -k)
+    while bk > ROW_BLOCK and (rows + block_n) * bk * itemsize > STAGE_BYTES:
         bk //= 2
     return bk
 
@@ -163,7 +187,7 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
             xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
-    acc = jax.lax.fori_loop(0, steps, product, jnp.zeros((rows, BLOCK_N), jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
     if gelu:
@@ -177,14 +201,16 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
 def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"] | None = None,
            *, norm: LayerNormWeights | None = None, gelu: bool = False,
            residual: Float[Array, "B N"] | None = None, out_dtype=None,
-           interpret: bool | None = None) -> Float[Array, "B N"]:
+           tiles: LinearTiles | None = None, interpret: bool | None = None
+           ) -> Float[Array, "B N"]:
     """act(LN(x) @ wt^T + b) + residual in one kernel (see the module docstring).
 
     x: [B, K], 1 <= B <= MAX_ROWS; wt: [N, K], W transposed, in the product's dtype (x,
     after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows first; gelu:
     GPT-2's tanh GELU after the bias; residual: [B, N] added last. K and N multiples of 16.
-    Sums in float32; the result in out_dtype (None: x's dtype). interpret: None = the
-    Pallas interpreter unless the default backend is a GPU.
+    Sums in float32; the result in out_dtype (None: x's dtype). tiles: the launch shape
+    (None: LinearTiles()). interpret: None = the Pallas interpreter unless the default
+    backend is a GPU.
     """
     if x.ndim != 2 or wt.ndim != 2 or wt.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [B, K] and wt [N, K] (W transposed), got x.shape = "
@@ -203,9 +229,12 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
                          f"{norm.scale.shape} and {norm.bias.shape}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    tiles = LinearTiles() if tiles is None else tiles
+    block_n = tiles.block_n if n % tiles.block_n == 0 else BLOCK_N
     itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(wt.dtype).itemsize)
-    plan = _Plan(rows=padded_rows(rows), block_k=block_k(padded_rows(rows), k, itemsize),
-                 interpret=interpret)
+    plan = _Plan(rows=padded_rows(rows), block_n=block_n, warps=tiles.warps,
+                 stages=tiles.stages, interpret=interpret,
+                 block_k=block_k(padded_rows(rows), k, itemsize, block_n, tiles.max_block_k))
     return _launch(plan, norm is not None, b is not None, gelu, residual is not None,
                    None if norm is None else norm.eps,
                    jnp.dtype(x.dtype if out_dtype is None else out_dtype),
@@ -218,16 +247,17 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
 def _launch(plan, has_norm, has_bias, gelu, has_residual, eps, out_dtype, x, wt, *operands):
     rows, k = x.shape
     n = wt.shape[0]
-    columns = lambda r: pl.BlockSpec((r, BLOCK_N), lambda j: (0, j))  # noqa: E731
+    bn = plan.block_n
+    columns = lambda r: pl.BlockSpec((r, bn), lambda j: (0, j))  # noqa: E731
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    in_specs = [whole(rows, k), pl.BlockSpec((BLOCK_N, k), lambda j: (j, 0))]
+    in_specs = [whole(rows, k), pl.BlockSpec((bn, k), lambda j: (j, 0))]
     in_specs += [whole(k), whole(k)] if has_norm else []
     in_specs += [columns(1)] if has_bias else []
     in_specs += [columns(rows)] if has_residual else []
     kernel = functools.partial(_linear_kernel, plan=plan, has_norm=has_norm,
                                has_bias=has_bias, gelu=gelu, has_residual=has_residual,
                                eps=eps)
-    return launch(kernel, plan=plan, name="sympow_decode_linear", grid=(n // BLOCK_N,),
+    return launch(kernel, plan=plan, name="sympow_decode_linear", grid=(n // bn,),
                   in_specs=in_specs, out_specs=columns(rows),
-                  out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype), warps=4,
+                  out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype), warps=plan.warps,
                   stages=plan.stages)(x, wt, *operands)

@@ -18,6 +18,7 @@ from sympow.layers.decode_linear import (
     STAGE_BYTES,
     STAGES,
     LayerNormWeights,
+    LinearTiles,
     block_k,
     linear,
     linear_reference,
@@ -120,3 +121,22 @@ def test_block_k_fits_the_shared_memory_of_three_stages():
         bk = block_k(rows, k, itemsize)
         assert k % bk == 0 and bk & (bk - 1) == 0
         assert bk == 16 or (rows + 16) * bk * itemsize * STAGES <= 3 * STAGE_BYTES
+
+
+@pytest.mark.parametrize("tiles", [LinearTiles(block_n=32, warps=2, stages=2),
+                                   LinearTiles(block_n=64, warps=8, max_block_k=16)])
+def test_other_launch_shapes_give_the_same_result(tiles):
+    """N = 48 is not a multiple of 32 or 64: those run at 16 columns a program; N = 64 runs
+    at the asked width."""
+    for n in (48, 64):
+        x, wt, b, norm, residual = _operands(5, 64, n, jnp.float32, seed=n)
+        got = linear(x, wt, b, norm=norm, gelu=True, residual=residual, tiles=tiles)
+        want = linear_reference(x, wt, b, norm=norm, gelu=True, residual=residual)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_launch_shapes_are_checked():
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        LinearTiles(block_n=24)
+    with pytest.raises(ValueError, match="warps must be 1, 2, 4 or 8"):
+        LinearTiles(warps=3)

@@ -1,0 +1,102 @@
+"""GPU time of the fused decoding step's products under several launch shapes, against XLA.
+
+  PYTHONPATH=. python3 experiments/tune_decode_linear.py --out=$OUT
+
+GPT-2 small's four products of a block (`sympow.layers.fused_decode`): in (LayerNorm, 768
+-> 2336), out (768 -> 768, residual), fc (LayerNorm, 768 -> 3072, GELU), proj (3072 -> 768,
+residual), bf16, at --rows rows, for each `LinearTiles` of --tiles
+(block_n:warps:stages:max_block_k) and for XLA's jnp.dot of the same shapes. Times are the
+kernels' own GPU times from jax.profiler's trace (mean over --reps calls), with the weight
+bytes over that time. Writes tune_decode_linear.json under --out.
+"""
+
+import functools
+import itertools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+from timing import kernel_events  # noqa: E402
+
+_ROWS = flags.DEFINE_integer("rows", 1, "rows of x (sequences decoded together)")
+_REPS = flags.DEFINE_integer("reps", 20, "traced calls per shape")
+_TILES = flags.DEFINE_list(
+    "tiles", [f"{n}:{w}:{s}:{k}" for n, w, s, k in itertools.product(
+        (16, 32, 64), (1, 2, 4), (3, 4), (512, 1024))],
+    "launch shapes block_n:warps:stages:max_block_k")
+_OUT = flags.DEFINE_string("out", None, "directory for tune_decode_linear.json")
+
+PRODUCTS = {"in": (768, 2336, True, False, False), "out": (768, 768, False, False, True),
+            "fc": (768, 3072, True, True, False), "proj": (3072, 768, False, False, True)}
+
+
+def gpu_us(fn, *args, reps: int) -> float:
+    """Mean GPU microseconds of all the kernels of one call of fn(*args)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(reps):
+                jax.block_until_ready(fn(*args))
+        events = kernel_events(trace_dir)
+    return sum(duration for _, _, duration in events) / reps / 1e3
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+
+    from sympow.layers.decode_linear import LayerNormWeights, LinearTiles, linear
+
+    rows, reps = _ROWS.value, _REPS.value
+    results = []
+    for name, (k, n, norm, gelu, residual) in PRODUCTS.items():
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+        wt = (jax.random.normal(keys[1], (n, k)) * k ** -0.5).astype(jnp.bfloat16)
+        res = jax.random.normal(keys[2], (rows, n), jnp.bfloat16) if residual else None
+        ln = LayerNormWeights(jnp.ones(k), jnp.zeros(k), 1e-5) if norm else None
+        b = jnp.zeros(n)
+        weight_bytes = n * k * 2
+        xla = gpu_us(jax.jit(lambda x, wt: jnp.dot(x, wt.T, preferred_element_type=jnp.float32)),
+                     x, wt, reps=reps)
+        row = {"product": name, "k": k, "n": n, "rows": rows, "xla_dot_us": round(xla, 2),
+               "tiles": []}
+        for spec in _TILES.value:
+            tiles = LinearTiles(*map(int, spec.split(":")))
+            fn = jax.jit(functools.partial(linear, b=b, norm=ln, gelu=gelu, residual=res,
+                                           tiles=tiles))
+            try:
+                us = gpu_us(fn, x, wt, reps=reps)
+            except Exception as error:  # noqa: BLE001  (a shape that does not compile)
+                row["tiles"].append({"tiles": spec, "error": str(error)[:200]})
+                continue
+            row["tiles"].append({"tiles": spec, "us": round(us, 2),
+                                 "gb_per_s": round(weight_bytes / us / 1e3, 1)})
+        row["tiles"].sort(key=lambda t: t.get("us", float("inf")))
+        best = row["tiles"][0]
+        default = next(t for t in row["tiles"] if t["tiles"] == "16:4:3:512") \
+            if "16:4:3:512" in _TILES.value else None
+        print(f"{name:5s} K={k:5d} N={n:5d}: XLA dot {xla:6.2f} us; best {best}; "
+              f"default {default}", flush=True)
+        for t in row["tiles"][:5]:
+            print(f"        {t}")
+        results.append(row)
+    if _OUT.value:
+        out = Path(_OUT.value)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tune_decode_linear.json").write_text(json.dumps(
+            {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+             "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
