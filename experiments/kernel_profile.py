@@ -36,7 +36,8 @@ _ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:
 _STEPS = flags.DEFINE_integer("steps", 16, "decode steps per traced call", lower_bound=1)
 _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
                                   "decode steps to profile: blocks (each block's decode), "
-                                  "fused (sympow.layers.fused_decode)")
+                                  "fused (sympow.layers.fused_decode), fused:IMPL (its "
+                                  "products by decode_linear's impl IMPL)")
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
@@ -57,7 +58,7 @@ def traced(fn, *args, reps: int) -> dict:
     return summarize_kernels(events, calls=reps, wall_s=wall_s)
 
 
-def decode_case(spec: str, fused: bool) -> dict:
+def decode_case(spec: str, step_name: str) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -78,6 +79,8 @@ def decode_case(spec: str, fused: bool) -> dict:
         x, max_length=t + steps + 1, last_only=True))
     logits, cache = prefill(weights, prompt)
 
+    fused, _, products = step_name.partition(":")
+    fused = fused == "fused"
     packed = jax.jit(lambda w: decode_weights(nnx.merge(graphdef, w)))(weights) if fused else None
 
     @jax.jit
@@ -86,7 +89,8 @@ def decode_case(spec: str, fused: bool) -> dict:
 
         def step(carry, _):
             token, cache = carry
-            logits, cache = decode_step(model, token, cache, weights=packed)
+            logits, cache = decode_step(model, token, cache, weights=packed,
+                                        **({"products": products} if products else {}))
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return (token, cache), token
 
@@ -95,7 +99,7 @@ def decode_case(spec: str, fused: bool) -> dict:
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     summary = traced(loop, weights, packed, token, cache, reps=_REPS.value)
     per_step = {key: round(summary[key] / steps, 4) for key in ("wall_ms", "busy_ms")}
-    return {"case": spec, "kind": "decode", "decode_step": "fused" if fused else "blocks",
+    return {"case": spec, "kind": "decode", "decode_step": step_name,
             "steps": steps, "per_step": per_step,
             "kernels_per_step": round(summary["kernels_per_call"] / steps, 1), **summary}
 
@@ -133,7 +137,7 @@ def main(argv):
     results = []
     for spec in _DECODE.value:
         for step in _DECODE_STEPS.value:
-            results.append(decode_case(spec, fused=step == "fused"))
+            results.append(decode_case(spec, step))
     for spec in _ATTENTION.value:
         results.append(attention_case(spec))
     device = jax.devices()[0].device_kind

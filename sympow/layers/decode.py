@@ -74,20 +74,21 @@ def _prefill_hidden(model, tokens, max_length, valid) -> tuple[Float[Array, "B T
     return x, GPTCache(tuple(caches), jnp.asarray(t, jnp.int32))
 
 
-def decode_step(model, token: Int[Array, " B"], cache: GPTCache, *, weights=None
-                ) -> tuple[Float[Array, "B V"], GPTCache]:
+def decode_step(model, token: Int[Array, " B"], cache: GPTCache, *, weights=None,
+                products: str = fused_decode.PRODUCTS) -> tuple[Float[Array, "B V"], GPTCache]:
     """Consume one token per sequence at index cache.position; returns its logits [B, V].
 
     Time and memory per step are independent of the context length for sympow (the state
     has a fixed size); softmax reads its KV cache (O(max_length)).
     weights: None runs each block's `decode`; `fused_decode.decode_weights(model)` runs the
     blocks' products as fused kernels instead (B <= fused_decode.MAX_BATCH; the same
-    outputs up to rounding, several times fewer kernels a step).
+    outputs up to rounding, several times fewer kernels a step); products: how it computes
+    them (`decode_linear.LINEAR_IMPLS`).
     """
     x = model.embed(token[:, None])  # [B, 1, C]
     if weights is not None:
         x, caches = fused_decode.fused_blocks(model, weights, x[:, 0], cache.layers,
-                                              cache.position)
+                                              cache.position, products)
         x = x[:, None]
     else:
         caches = []

@@ -35,7 +35,7 @@ from jaxtyping import Array, Float
 
 from sympow.attention.pallas.launch import launch
 
-__all__ = ["MAX_ROWS", "LayerNormWeights", "LinearTiles", "block_k", "linear",
+__all__ = ["LINEAR_IMPLS", "MAX_ROWS", "LayerNormWeights", "LinearTiles", "block_k", "linear",
            "linear_reference", "linear_shapes_reason"]
 
 ROW_BLOCK = 16  # the smallest row block of a tensor-core product
@@ -43,6 +43,7 @@ MAX_ROWS = 64
 MAX_BLOCK_K = 512
 BLOCK_N = 16
 STAGES = 3
+LINEAR_IMPLS = ("xla", "pallas")
 STAGE_BYTES = 48 * 1024  # x and wt tiles of one pipeline stage (3 fit the 227 KiB of an SM)
 
 
@@ -138,8 +139,9 @@ def linear_reference(x: Float[Array, "B K"], wt: Float[Array, "N K"],
         var = jnp.maximum(jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean, 0.0)
         x = _normalize(x, mean, jax.lax.rsqrt(var + norm.eps),
                        norm.scale.astype(jnp.float32), norm.bias.astype(jnp.float32))
+    exact = wt.dtype == jnp.float32  # as the kernel: float32 weights never round to TF32
     y = jnp.dot(x.astype(wt.dtype), wt.T, preferred_element_type=jnp.float32,
-                precision=jax.lax.Precision.HIGHEST)
+                precision=jax.lax.Precision.HIGHEST if exact else None)
     if b is not None:
         y = y + b.astype(jnp.float32)
     if gelu:
@@ -201,17 +203,20 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
 def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"] | None = None,
            *, norm: LayerNormWeights | None = None, gelu: bool = False,
            residual: Float[Array, "B N"] | None = None, out_dtype=None,
-           tiles: LinearTiles | None = None, interpret: bool | None = None
-           ) -> Float[Array, "B N"]:
+           tiles: LinearTiles | None = None, impl: str = "pallas",
+           interpret: bool | None = None) -> Float[Array, "B N"]:
     """act(LN(x) @ wt^T + b) + residual in one kernel (see the module docstring).
 
     x: [B, K], 1 <= B <= MAX_ROWS; wt: [N, K], W transposed, in the product's dtype (x,
     after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows first; gelu:
     GPT-2's tanh GELU after the bias; residual: [B, N] added last. K and N multiples of 16.
     Sums in float32; the result in out_dtype (None: x's dtype). tiles: the launch shape
-    (None: LinearTiles()). interpret: None = the Pallas interpreter unless the default
-    backend is a GPU.
+    (None: LinearTiles()). impl: 'pallas' (the kernel) or 'xla' (`linear_reference`, which
+    XLA compiles into its own product with what it fuses around it). interpret: None = the
+    Pallas interpreter unless the default backend is a GPU.
     """
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"impl must be one of {LINEAR_IMPLS}, got impl={impl!r}")
     if x.ndim != 2 or wt.ndim != 2 or wt.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [B, K] and wt [N, K] (W transposed), got x.shape = "
                          f"{x.shape} and wt.shape = {wt.shape}")
@@ -227,6 +232,9 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
     if norm is not None and (norm.scale.shape != (k,) or norm.bias.shape != (k,)):
         raise ValueError(f"norm scale and bias must be [K] = [{k}], got "
                          f"{norm.scale.shape} and {norm.bias.shape}")
+    if impl == "xla":
+        return linear_reference(x, wt, b, norm=norm, gelu=gelu, residual=residual,
+                                out_dtype=out_dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     tiles = LinearTiles() if tiles is None else tiles

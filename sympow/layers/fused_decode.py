@@ -21,17 +21,18 @@ compute-dtype part and the remainder, so their products keep the parameters' pre
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from sympow.layers import decode_linear
 from sympow.layers.decode_linear import (
     BLOCK_N,
     MAX_ROWS,
     LayerNormWeights,
-    linear,
     linear_shapes_reason,
 )
 
@@ -39,6 +40,7 @@ __all__ = ["MAX_BATCH", "BlockWeights", "block_weights", "decode_weights", "fuse
            "fused_decode_reason", "split_outputs"]
 
 MAX_BATCH = MAX_ROWS  # sequences a fused step takes (rows of its products)
+PRODUCTS = "pallas"  # decode_linear.linear's impl for the products
 
 
 class BlockWeights(NamedTuple):
@@ -135,8 +137,10 @@ def split_outputs(z: Float[Array, "B N"], attn) -> list[Array]:
                                                                         strict=True)]
 
 
-def _block_step(block, weights: BlockWeights, x: Float[Array, "B C"], cache, position):
+def _block_step(block, weights: BlockWeights, x: Float[Array, "B C"], cache, position,
+                products: str):
     attn = block.attn
+    linear = functools.partial(decode_linear.linear, impl=products)
     z = linear(x, weights.w_in, weights.b_in, norm=weights.ln1, out_dtype=jnp.float32)
     q, k, v, log_g, mu = attn.heads(split_outputs(z, attn), position=position, mu0=cache.mu)
     y, cache = attn.decode_heads(q, k, v, log_g, mu, cache, position)  # [B, 1, Hq, E]
@@ -147,11 +151,12 @@ def _block_step(block, weights: BlockWeights, x: Float[Array, "B C"], cache, pos
 
 
 def fused_blocks(model, weights: tuple[BlockWeights, ...], x: Float[Array, "B C"],
-                 layers: tuple, position: Array) -> tuple[Float[Array, "B C"], tuple]:
+                 layers: tuple, position: Array, products: str = PRODUCTS
+                 ) -> tuple[Float[Array, "B C"], tuple]:
     """The blocks of `decode.decode_step` with their products as fused kernels (module
     docstring): x [B, C] (the embedded tokens, B <= MAX_BATCH), layers and position of a
-    `GPTCache`, weights = `decode_weights(model)`. Returns (x after the last block, the
-    layer caches after the token)."""
+    `GPTCache`, weights = `decode_weights(model)`; products: `decode_linear.linear`'s impl.
+    Returns (x after the last block, the layer caches after the token)."""
     batch = x.shape[0]
     reason = fused_decode_reason(model, batch)
     if reason:
@@ -161,6 +166,6 @@ def fused_blocks(model, weights: tuple[BlockWeights, ...], x: Float[Array, "B C"
                          f" got {len(weights)}: build them with decode_weights(model)")
     caches = []
     for block, packed, layer_cache in zip(model.blocks, weights, layers, strict=True):
-        x, layer_cache = _block_step(block, packed, x, layer_cache, position)
+        x, layer_cache = _block_step(block, packed, x, layer_cache, position, products)
         caches.append(layer_cache)
     return x, tuple(caches)

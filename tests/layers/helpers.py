@@ -60,7 +60,8 @@ def forward(graphdef, state, toks):
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def prefill_and_decode(graphdef, state, toks, prompt_len, fused=False):
-    """Prefill then decode each remaining token; fused: the fused step (packed weights)."""
+    """Prefill then decode each remaining token; fused: the fused step (packed weights;
+    True or the products' impl, 'pallas' or 'xla')."""
     model = nnx.merge(graphdef, state)
     weights = decode_weights(model) if fused else None
     if prompt_len:
@@ -70,7 +71,8 @@ def prefill_and_decode(graphdef, state, toks, prompt_len, fused=False):
         logits = jnp.zeros((toks.shape[0], 0, model.config.vocab_size), jnp.float32)
 
     def step(cache, token):
-        logits, cache = decode_step(model, token, cache, weights=weights)
+        products = {} if fused in (False, True) else {"products": fused}
+        logits, cache = decode_step(model, token, cache, weights=weights, **products)
         return cache, logits
 
     cache, rest = jax.lax.scan(step, cache, toks[:, prompt_len:].T)  # [T - t, B, V]

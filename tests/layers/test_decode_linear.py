@@ -94,7 +94,16 @@ def test_refusals_name_the_argument_and_shapes():
         linear(x, wt, residual=residual[:1])
     with pytest.raises(ValueError, match=r"norm scale and bias must be \[K\] = \[32\]"):
         linear(x, wt, norm=LayerNormWeights(norm.scale[:16], norm.bias[:16], 1e-5))
+    with pytest.raises(ValueError, match="impl must be one of \\('xla', 'pallas'\\)"):
+        linear(x, wt, impl="cuda")
     assert linear_shapes_reason(1, 768, 2336) is None
+
+
+def test_xla_impl_is_the_reference():
+    x, wt, b, norm, residual = _operands(3, 64, 32, jnp.bfloat16)
+    kw = dict(norm=norm, gelu=True, residual=residual, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(linear(x, wt, b, impl="xla", **kw)),
+                                  np.asarray(linear_reference(x, wt, b, **kw)))
 
 
 def test_lowers_for_cuda_through_triton():

@@ -31,13 +31,15 @@ from tests.layers.helpers import (
 )
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_step_matches_blocks_fp32(variant):
-    """Every variant (softmax's KV cache, sympow's state, gates, learned rotary), float32:
-    the same logits at every decoded position as the blocks' decode and the forward."""
+@pytest.mark.parametrize("variant, products", [(v, "pallas") for v in VARIANTS] + [
+    ("conformal", "xla"), ("softmax", "xla")])
+def test_fused_step_matches_blocks_fp32(variant, products):
+    """Every variant (softmax's KV cache, sympow's state, gates, learned rotary), float32,
+    the products by the kernel or by XLA: the same logits at every decoded position as the
+    blocks' decode and the forward."""
     model = randomized(tiny(variant))
     toks = tokens(0)
-    fused = decode_logits(model, toks, 5, fused=True)
+    fused = decode_logits(model, toks, 5, fused=products)
     assert rel_max_err(fused, decode_logits(model, toks, 5)) < 1e-6
     assert rel_max_err(fused, full_logits(model, toks)) < 1e-6
 
