@@ -35,8 +35,8 @@ from jaxtyping import Array, Float
 
 from sympow.attention.pallas.launch import launch
 
-__all__ = ["LINEAR_IMPLS", "MAX_ROWS", "LayerNormWeights", "LinearTiles", "block_k", "linear",
-           "linear_reference", "linear_shapes_reason"]
+__all__ = ["LINEAR_IMPLS", "MAX_ROWS", "LayerNormWeights", "LinearTiles", "block_k",
+           "default_tiles", "linear", "linear_reference", "linear_shapes_reason"]
 
 ROW_BLOCK = 16  # the smallest row block of a tensor-core product
 MAX_ROWS = 64
@@ -78,6 +78,17 @@ class LinearTiles:
         if self.warps not in (1, 2, 4, 8) or self.stages < 1:
             raise ValueError(f"warps must be 1, 2, 4 or 8 and stages >= 1, got warps = "
                              f"{self.warps}, stages = {self.stages}")
+
+
+def default_tiles(k: int, n: int) -> LinearTiles:
+    """The launch shape for a [K, N] product, from the H100 sweep of GPT-2 small's four at
+    one row (docs/benchmarks.md, `experiments/tune_decode_linear.py`): outputs at least
+    twice the inputs (768 -> 2336, 768 -> 3072) 32 columns a program, 4 warps; inputs at
+    least twice the outputs (3072 -> 768) 16 columns, 2 warps; square (768 -> 768) 16
+    columns, 1 warp. 3 stages, K tiles up to 512 for all."""
+    if n >= 2 * k:
+        return LinearTiles(block_n=32, warps=4)
+    return LinearTiles(block_n=BLOCK_N, warps=2 if k >= 2 * n else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +222,7 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
     after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows first; gelu:
     GPT-2's tanh GELU after the bias; residual: [B, N] added last. K and N multiples of 16.
     Sums in float32; the result in out_dtype (None: x's dtype). tiles: the launch shape
-    (None: LinearTiles()). impl: 'pallas' (the kernel) or 'xla' (`linear_reference`, which
+    (None: `default_tiles(K, N)`). impl: 'pallas' (the kernel) or 'xla' (`linear_reference`, which
     XLA compiles into its own product with what it fuses around it). interpret: None = the
     Pallas interpreter unless the default backend is a GPU.
     """
@@ -237,7 +248,7 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
                                 out_dtype=out_dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    tiles = LinearTiles() if tiles is None else tiles
+    tiles = default_tiles(k, n) if tiles is None else tiles
     block_n = tiles.block_n if n % tiles.block_n == 0 else BLOCK_N
     itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(wt.dtype).itemsize)
     plan = _Plan(rows=padded_rows(rows), block_n=block_n, warps=tiles.warps,

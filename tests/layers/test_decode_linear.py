@@ -20,6 +20,7 @@ from sympow.layers.decode_linear import (
     LayerNormWeights,
     LinearTiles,
     block_k,
+    default_tiles,
     linear,
     linear_reference,
     linear_shapes_reason,
@@ -149,3 +150,10 @@ def test_launch_shapes_are_checked():
         LinearTiles(block_n=24)
     with pytest.raises(ValueError, match="warps must be 1, 2, 4 or 8"):
         LinearTiles(warps=3)
+
+
+def test_default_tiles_follow_the_shape_of_the_product():
+    assert default_tiles(768, 3072) == LinearTiles(block_n=32, warps=4)
+    assert default_tiles(768, 2336) == LinearTiles(block_n=32, warps=4)
+    assert default_tiles(3072, 768) == LinearTiles(block_n=16, warps=2)
+    assert default_tiles(768, 768) == LinearTiles(block_n=16, warps=1)
