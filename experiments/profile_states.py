@@ -4,7 +4,8 @@
   PYTHONPATH=. python3 experiments/profile_states.py --primitives  # with the XLA glue
   PYTHONPATH=. nsys profile --stats=true -o $OUT/states python3 experiments/profile_states.py
 
-(On 2026-11-24 neither profiler ran on the H100 machine: ncu crashed, nsys is absent.)
+(On 2026-11-24 neither profiler ran on the H100 machine: ncu crashed, nsys is absent;
+experiments/kernel_profile.py reads jax's own profiler instead.)
 
 One launch of each of rows_to_state, state_to_rows and state_to_rows transposed per
 repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
