@@ -5,7 +5,7 @@
 GPT-2 small's four products of a block (`sympow.layers.fused_decode`): in (LayerNorm, 768
 -> 2336), out (768 -> 768, residual), fc (LayerNorm, 768 -> 3072, GELU), proj (3072 -> 768,
 residual), bf16, at --rows rows, for each `LinearTiles` of --tiles
-(block_n:warps:stages:max_block_k) and for XLA's jnp.dot of the same shapes. Times are the
+(block_n:warps:stages:max_block_k:unroll) and for XLA's jnp.dot of the same shapes. Times are the
 kernels' own GPU times from jax.profiler's trace (mean over --reps calls), with the weight
 bytes over that time. Writes tune_decode_linear.json under --out.
 """
@@ -26,9 +26,9 @@ from timing import kernel_events  # noqa: E402
 _ROWS = flags.DEFINE_integer("rows", 1, "rows of x (sequences decoded together)")
 _REPS = flags.DEFINE_integer("reps", 20, "traced calls per shape")
 _TILES = flags.DEFINE_list(
-    "tiles", [f"{n}:{w}:{s}:{k}" for n, w, s, k in itertools.product(
-        (16, 32, 64), (1, 2, 4), (3, 4), (512, 1024))],
-    "launch shapes block_n:warps:stages:max_block_k")
+    "tiles", [f"{n}:{w}:{s}:{k}:{u}" for n, w, s, k, u in itertools.product(
+        (16, 32), (2, 4, 8), (3,), (256, 512), (0, 1))],
+    "launch shapes block_n:warps:stages:max_block_k:unroll (unroll 0 or 1)")
 _OUT = flags.DEFINE_string("out", None, "directory for tune_decode_linear.json")
 
 PRODUCTS = {"in": (768, 2336, True, False, False), "out": (768, 768, False, False, True),
@@ -70,7 +70,8 @@ def main(argv):
         row = {"product": name, "k": k, "n": n, "rows": rows, "xla_dot_us": round(xla, 2),
                "tiles": []}
         for spec in _TILES.value:
-            tiles = LinearTiles(*map(int, spec.split(":")))
+            n_, warps, stages, max_k, unroll = map(int, spec.split(":"))
+            tiles = LinearTiles(n_, warps, stages, max_k, bool(unroll))
             fn = jax.jit(functools.partial(linear, b=b, norm=ln, gelu=gelu, residual=res,
                                            tiles=tiles))
             try:
@@ -82,10 +83,7 @@ def main(argv):
                                  "gb_per_s": round(weight_bytes / us / 1e3, 1)})
         row["tiles"].sort(key=lambda t: t.get("us", float("inf")))
         best = row["tiles"][0]
-        default = next(t for t in row["tiles"] if t["tiles"] == "16:4:3:512") \
-            if "16:4:3:512" in _TILES.value else None
-        print(f"{name:5s} K={k:5d} N={n:5d}: XLA dot {xla:6.2f} us; best {best}; "
-              f"default {default}", flush=True)
+        print(f"{name:5s} K={k:5d} N={n:5d}: XLA dot {xla:6.2f} us; best {best}", flush=True)
         for t in row["tiles"][:5]:
             print(f"        {t}")
         results.append(row)

@@ -63,12 +63,14 @@ jax.tree_util.register_pytree_node(
 class LinearTiles:
     """The kernel's launch shape: block_n outputs a program (a multiple of BLOCK_N; N not a
     multiple of it runs at BLOCK_N), `warps` warps, `stages` pipeline stages, K tiles of at
-    most max_block_k."""
+    most max_block_k; unroll: the loops over K written out (every tile's load visible to
+    the compiler at once) instead of a device loop."""
 
     block_n: int = BLOCK_N
     warps: int = 4
     stages: int = STAGES
     max_block_k: int = MAX_BLOCK_K
+    unroll: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "max_block_k"):
@@ -98,6 +100,7 @@ class _Plan:
     block_k: int
     warps: int
     stages: int
+    unroll: bool
     interpret: bool
 
 
@@ -171,7 +174,17 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
     (o_ref,) = rest
     b, k = x_ref.shape
     bk, steps, rows = plan.block_k, k // plan.block_k, plan.rows
-    block = lambda i: pl.ds(pl.multiple_of(i * bk, bk), bk)  # noqa: E731
+
+    def block(i):
+        return pl.ds(i * bk if plan.unroll else pl.multiple_of(i * bk, bk), bk)
+
+    def loop(body, init):  # over the K tiles: written out, or a device loop
+        if not plan.unroll:
+            return jax.lax.fori_loop(0, steps, body, init)
+        for i in range(steps):
+            init = body(i, init)
+        return init
+
     valid = jnp.arange(rows)[:, None] < b  # [rows, 1]: the rows past x's are zeros
 
     def x_block(i):
@@ -185,7 +198,7 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
                     carry[1] + jnp.sum(xb * xb, axis=1, keepdims=True))
 
         zero = jnp.zeros((rows, 1), jnp.float32)
-        total, squares = jax.lax.fori_loop(0, steps, stats, (zero, zero))
+        total, squares = loop(stats, (zero, zero))
         mean = total / k  # [rows, 1]
         rstd = jax.lax.rsqrt(jnp.maximum(squares / k - mean * mean, 0.0) + eps)
 
@@ -200,7 +213,7 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
             xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
-    acc = jax.lax.fori_loop(0, steps, product, jnp.zeros((rows, plan.block_n), jnp.float32))
+    acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
     if gelu:
@@ -252,7 +265,7 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
     block_n = tiles.block_n if n % tiles.block_n == 0 else BLOCK_N
     itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(wt.dtype).itemsize)
     plan = _Plan(rows=padded_rows(rows), block_n=block_n, warps=tiles.warps,
-                 stages=tiles.stages, interpret=interpret,
+                 stages=tiles.stages, unroll=tiles.unroll, interpret=interpret,
                  block_k=block_k(padded_rows(rows), k, itemsize, block_n, tiles.max_block_k))
     return _launch(plan, norm is not None, b is not None, gelu, residual is not None,
                    None if norm is None else norm.eps,

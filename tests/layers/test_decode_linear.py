@@ -114,12 +114,14 @@ def test_lowers_for_cuda_through_triton():
     wt = jnp.zeros((768, 3072), jnp.bfloat16)
     norm = LayerNormWeights(jnp.ones(3072), jnp.zeros(3072), 1e-5)
 
-    def fused(x, wt, b, residual):
-        return linear(x, wt, b, norm=norm, gelu=True, residual=residual, interpret=False)
+    for unroll in (False, True):
+        def fused(x, wt, b, residual, unroll=unroll):
+            return linear(x, wt, b, norm=norm, gelu=True, residual=residual,
+                          tiles=LinearTiles(unroll=unroll), interpret=False)
 
-    text = jax.jit(fused).trace(x, wt, jnp.zeros(768), jnp.zeros((1, 768), jnp.bfloat16)
-                                ).lower(lowering_platforms=("cuda",)).as_text()
-    assert "sympow_decode_linear" in text
+        text = jax.jit(fused).trace(x, wt, jnp.zeros(768), jnp.zeros((1, 768), jnp.bfloat16)
+                                    ).lower(lowering_platforms=("cuda",)).as_text()
+        assert "sympow_decode_linear" in text
 
 
 def test_block_k_fits_the_shared_memory_of_three_stages():
@@ -134,7 +136,8 @@ def test_block_k_fits_the_shared_memory_of_three_stages():
 
 
 @pytest.mark.parametrize("tiles", [LinearTiles(block_n=32, warps=2, stages=2),
-                                   LinearTiles(block_n=64, warps=8, max_block_k=16)])
+                                   LinearTiles(block_n=64, warps=8, max_block_k=16),
+                                   LinearTiles(max_block_k=16, unroll=True)])
 def test_other_launch_shapes_give_the_same_result(tiles):
     """N = 48 is not a multiple of 32 or 64: those run at 16 columns a program; N = 64 runs
     at the asked width."""
