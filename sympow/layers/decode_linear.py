@@ -63,8 +63,8 @@ jax.tree_util.register_pytree_node(
 class LinearTiles:
     """The kernel's launch shape: block_n outputs a program (a multiple of BLOCK_N; N not a
     multiple of it runs at BLOCK_N), `warps` warps, `stages` pipeline stages, K tiles of at
-    most max_block_k; unroll: the loops over K written out (every tile's load visible to
-    the compiler at once) instead of a device loop."""
+    most max_block_k; unroll: the loops over K written out, every weight tile loaded before
+    the first product, instead of a device loop."""
 
     block_n: int = BLOCK_N
     warps: int = 4
@@ -202,17 +202,21 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
         mean = total / k  # [rows, 1]
         rstd = jax.lax.rsqrt(jnp.maximum(squares / k - mean * mean, 0.0) + eps)
 
-    def product(i, acc):
+    def product(i, acc, wb=None):
         xb = x_block(i)
         if has_norm:
             xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(jnp.float32),
                             shift_ref[block(i)][None, :].astype(jnp.float32))
-        wb = wt_ref[:, block(i)]  # [block_n, bk], contiguous rows of wt
+        wb = wt_ref[:, block(i)] if wb is None else wb  # [block_n, bk]: rows of wt
         exact = wb.dtype == jnp.float32  # float32 weights: no TF32 rounding on the GPU
         return acc + jax.lax.dot_general(
             xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
+    if plan.unroll:  # every tile's load issued before the first product waits for one
+        tiles = [wt_ref[:, block(i)] for i in range(steps)]
+        product_of = product
+        product = lambda i, acc: product_of(i, acc, tiles[i])  # noqa: E731
     acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
