@@ -13,10 +13,11 @@ surrounds it fused in:
     x = linear(linear(x, W_fc, b_fc, norm=ln2, gelu=True), W_proj, b_proj, residual=x)
 
 Same model, same cache, the same outputs up to rounding (tested against the layers'
-`decode`). The weights are packed once per `generate`
-(`decode_weights`), in the compute dtype; W_gamma and W_beta, whose outputs add up over the
-context (the gate's product, the learned rotary's mu), enter as two columns each, the
-compute-dtype part and the remainder, so their products keep the parameters' precision.
+`decode`). The weights are packed once per `generate` (`decode_weights`), in the compute
+dtype; W_gamma and W_beta, whose outputs add up over the context (the gate's product, the
+learned rotary's mu), enter as two columns each, the compute-dtype part and the
+remainder, so their products keep the parameters' precision. On the H100 the step runs 175
+kernels instead of 306 and takes 0.87 ms a token instead of 1.17 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def block_weights(block) -> BlockWeights:
 
 
 def decode_weights(model) -> tuple[BlockWeights, ...]:
-    """Every block's packed weights: build once, pass to each `fused_decode_step`."""
+    """Every block's packed weights: build once, pass to each
+    `decode.decode_step(..., weights=...)`."""
     return tuple(block_weights(block) for block in model.blocks)
 
 
