@@ -204,21 +204,20 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
         mean = total / k  # [rows, 1]
         rstd = jax.lax.rsqrt(jnp.maximum(squares / k - mean * mean, 0.0) + eps)
 
-    def product(i, acc, wb=None):
+    # Written out, every weight tile's load is issued before the first product waits.
+    weight_tiles = [wt_ref[:, block(i)] for i in range(steps)] if plan.unroll else None
+
+    def product(i, acc):
         xb = x_block(i)
         if has_norm:
             xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(jnp.float32),
                             shift_ref[block(i)][None, :].astype(jnp.float32))
-        wb = wt_ref[:, block(i)] if wb is None else wb  # [block_n, bk]: rows of wt
+        wb = weight_tiles[i] if plan.unroll else wt_ref[:, block(i)]  # [block_n, bk]
         exact = wb.dtype == jnp.float32  # float32 weights: no TF32 rounding on the GPU
         return acc + jax.lax.dot_general(
             xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
-    if plan.unroll:  # every tile's load issued before the first product waits for one
-        tiles = [wt_ref[:, block(i)] for i in range(steps)]
-        product_of = product
-        product = lambda i, acc: product_of(i, acc, tiles[i])  # noqa: E731
     acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
