@@ -91,8 +91,5 @@ def main(argv):
               f"{_REPS.value})", flush=True)
 
 
-
-
-
 if __name__ == "__main__":
     app.run(main)
