@@ -21,14 +21,13 @@ first. Writes kernel_profile.json under --out.
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import kernel_events, summarize_kernels  # noqa: E402
+from timing import summarize_kernels, trace_kernels  # noqa: E402
 
 _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
                             "decode cases variant:p:prompt[:batch]")
@@ -45,16 +44,7 @@ _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
 
 def traced(fn, *args, reps: int) -> dict:
     """Kernel summary of `reps` calls of fn(*args) (compiled first), per call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            for _ in range(reps):
-                jax.block_until_ready(fn(*args))
-            wall_s = time.perf_counter() - start
-        events = kernel_events(trace_dir)
+    events, wall_s = trace_kernels(fn, *args, reps=reps)
     return summarize_kernels(events, calls=reps, wall_s=wall_s)
 
 

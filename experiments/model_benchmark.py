@@ -56,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from timing import timed_call  # noqa: E402  (experiments/timing.py, beside this script)
 
 _TRAIN = flags.DEFINE_list("train", ["softmax:0:4096", "conformal:2:4096"],
                            "training cases variant:p:context[:microbatches]")
@@ -255,23 +256,13 @@ def decode_case(case: dict) -> dict:
     def prefill(weights, prompt):
         return nnx.merge(graphdef, weights).prefill(prompt, max_length=t + n, last_only=True)
 
-    def timed(fn):  # the median of --reps calls after a compiling one
-        out = jax.block_until_ready(fn())
-        times = []
-        for _ in range(_REPS.value):
-            del out  # one result alive at a time: 16 KV caches of 64k tokens take 38 GB
-            start = time.perf_counter()
-            out = jax.block_until_ready(fn())
-            times.append(time.perf_counter() - start)
-        return statistics.median(times), out
-
-    prefill_s, (_, cache) = timed(lambda: prefill(weights, prompt))
+    prefill_s, (_, cache) = timed_call(prefill, weights, prompt, reps=_REPS.value)
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.layers))
     cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
     del cache
     fused = _DECODE_STEP.value == "fused"
-    generate_s, tokens = timed(lambda: generate(model, prompt, n, unroll=_DECODE_UNROLL.value,
-                                                fused=fused))
+    generate_s, tokens = timed_call(lambda: generate(
+        model, prompt, n, unroll=_DECODE_UNROLL.value, fused=fused), reps=_REPS.value)
     decode_s = generate_s - prefill_s
     packed = jax.jit(lambda w: decode_weights(nnx.merge(graphdef, w)))(weights) if fused else None
     step = jax.jit(lambda w, packed, token, cache: decode_step(
@@ -305,12 +296,7 @@ def forward_case(case: dict) -> dict:
     start = time.perf_counter()
     jax.block_until_ready(forward(weights, inputs))
     compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(_REPS.value):
-        start = time.perf_counter()
-        jax.block_until_ready(forward(weights, inputs))
-        times.append(time.perf_counter() - start)
-    forward_s = statistics.median(times)
+    forward_s, _ = timed_call(forward, weights, inputs, reps=_REPS.value, warmup=0)
     return {**case, "kind": "forward", "rows": rows, "algorithm": chosen_algorithm(config, t),
             "compile_s": round(compile_s, 1), "forward_ms": round(forward_s * 1e3, 2),
             "tokens_per_s": round(rows * t / forward_s), "peak_gib": peak_gib()}

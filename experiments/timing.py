@@ -1,23 +1,50 @@
-"""The one timing rule of the GPU scripts (benchmark.py, profile_states.py) and the reading
-of jax.profiler traces (kernel_profile.py)."""
+"""The one timing rule of the GPU scripts (benchmark.py, profile_states.py,
+model_benchmark.py) and the tracing and reading of jax.profiler traces (kernel_profile.py,
+tune_decode_linear.py)."""
 
 import statistics
 import time
 
 
-def timed(fn, *args, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of `reps` calls of fn(*args), each ended by block_until_ready,
-    after `warmup` calls (the first compiles)."""
+def timed_call(fn, *args, reps: int, warmup: int = 1):
+    """(median seconds, last result) of `reps` calls of fn(*args), each ended by
+    block_until_ready, after `warmup` calls (the first compiles). One result is alive at a
+    time: each is dropped before the next call (16 KV caches of 64k tokens take 38 GB)."""
     import jax
 
+    out = None
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+        del out
+        out = jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
+        del out
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def timed(fn, *args, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of `reps` calls of fn(*args) after `warmup` (`timed_call`)."""
+    return timed_call(fn, *args, reps=reps, warmup=warmup)[0] * 1e3
+
+
+def trace_kernels(fn, *args, reps: int) -> tuple[list[tuple[str, float, float]], float]:
+    """(`kernel_events` of `reps` calls of fn(*args) under jax.profiler.trace, after a
+    compiling call; the wall seconds of those calls)."""
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            for _ in range(reps):
+                jax.block_until_ready(fn(*args))
+            wall_s = time.perf_counter() - start
+        return kernel_events(trace_dir), wall_s
 
 
 def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:

@@ -14,14 +14,13 @@ import functools
 import itertools
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import kernel_events  # noqa: E402
+from timing import trace_kernels  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 1, "rows of x (sequences decoded together)")
 _REPS = flags.DEFINE_integer("reps", 20, "traced calls per shape")
@@ -37,14 +36,7 @@ PRODUCTS = {"in": (768, 2336, True, False, False), "out": (768, 768, False, Fals
 
 def gpu_us(fn, *args, reps: int) -> float:
     """Mean GPU microseconds of all the kernels of one call of fn(*args)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(reps):
-                jax.block_until_ready(fn(*args))
-        events = kernel_events(trace_dir)
+    events, _ = trace_kernels(fn, *args, reps=reps)
     return sum(duration for _, _, duration in events) / reps / 1e3
 
 

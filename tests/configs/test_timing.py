@@ -50,3 +50,17 @@ def test_cpu_trace_has_no_gpu_plane(tmp_path):
 def test_missing_trace_is_named(tmp_path):
     with pytest.raises(ValueError, match="no \\*.xplane.pb trace"):
         timing.kernel_events(str(tmp_path))
+
+
+def test_timed_call_counts_calls_and_returns_the_last_result():
+    import jax.numpy as jnp
+
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return jnp.asarray(len(calls))
+
+    seconds, out = timing.timed_call(fn, 7, reps=3, warmup=2)
+    assert len(calls) == 5 and int(out) == 5 and seconds >= 0
+    assert timing.timed(fn, 7, reps=1, warmup=0) >= 0 and len(calls) == 6
