@@ -56,7 +56,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import timed_call  # noqa: E402  (experiments/timing.py, beside this script)
 
 _TRAIN = flags.DEFINE_list("train", ["softmax:0:4096", "conformal:2:4096"],
                            "training cases variant:p:context[:microbatches]")
@@ -240,6 +239,7 @@ def decode_case(case: dict) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from timing import timed_call  # experiments/timing.py: the case runs as this script
 
     from sympow.layers import GPT, decode_step, generate
     from sympow.layers.fused_decode import decode_weights
@@ -284,6 +284,7 @@ def forward_case(case: dict) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from timing import timed_call  # experiments/timing.py: the case runs as this script
 
     from sympow.layers import GPT
 
