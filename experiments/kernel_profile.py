@@ -16,7 +16,8 @@ them), then a jitted device loop of --steps greedy decode steps (generate's loop
 Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
-first. Writes kernel_profile.json under --out.
+first, with an XLA kernel's shapes and source lines (timing.hlo_kernels). Writes
+kernel_profile.json under --out.
 """
 
 import json
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import summarize_kernels, trace_kernels  # noqa: E402
+from timing import hlo_kernels, summarize_kernels, trace_kernels  # noqa: E402
 
 _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
                             "decode cases variant:p:prompt[:batch]")
@@ -39,13 +40,21 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
                                   "products by decode_linear's impl IMPL)")
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
+_SOURCES = flags.DEFINE_integer("sources", 2, "source lines printed per XLA kernel")
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
 
 
 def traced(fn, *args, reps: int) -> dict:
-    """Kernel summary of `reps` calls of fn(*args) (compiled first), per call."""
-    events, wall_s = trace_kernels(fn, *args, reps=reps)
-    return summarize_kernels(events, calls=reps, wall_s=wall_s)
+    """Kernel summary of `reps` calls of the jitted fn(*args), per call, each XLA kernel with
+    its shapes and the source lines of its operations (`hlo_kernels` of the compiled
+    module)."""
+    compiled = fn.lower(*args).compile()
+    events, wall_s = trace_kernels(compiled, *args, reps=reps)
+    summary = summarize_kernels(events, calls=reps, wall_s=wall_s)
+    hlo = hlo_kernels(compiled.as_text())
+    for kernel in summary["kernels"]:
+        kernel.update(hlo.get(kernel["name"], {}))
+    return summary
 
 
 def decode_case(spec: str, step_name: str) -> dict:
@@ -141,6 +150,10 @@ def main(argv):
                   if r["kind"] == "decode" else ""))
         for k in r["kernels"][:_TOP.value]:
             print(f"  {k['total_us']:10.1f} us  {k['count']:6.1f}x  {k['name'][:110]}")
+            if "shape" in k:
+                print(f"{'':24}{k['shape']} <- {', '.join(k['operands'])}"[:200])
+            for where in k.get("sources", [])[:_SOURCES.value]:
+                print(f"{'':24}{where[:150]}")
     if _OUT.value:
         out = Path(_OUT.value)
         out.mkdir(parents=True, exist_ok=True)

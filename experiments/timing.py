@@ -92,3 +92,108 @@ def summarize_kernels(events: list[tuple[str, float, float]], *, calls: int,
     kernels.sort(key=lambda k: -k["total_us"])
     return {"wall_ms": round(wall_s / calls * 1e3, 4), "kernels_per_call": len(events) / calls,
             "busy_ms": round(busy_ns / calls / 1e6, 4), "kernels": kernels}
+
+
+def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
+    """For each instruction of an optimized HLO module that calls a computation (the fusions
+    and wrapped ops a profile names as kernels): {"shape": its result type, "operands": its
+    operands' types, "sources": where its operations come from in the Python source, as
+    "file:line < caller:line op" (the innermost frame and up to two distinct callers), the
+    `top` most frequent first, over the called computations recursively}. Inside a nested
+    jit or custom_vjp the frames are those of the call, so the shapes often say more.
+
+    Reads both metadata forms: `stack_frame_id=N` against the module's FileNames /
+    FileLocations / StackFrames tables, and the older `source_file=... source_line=...`."""
+    import re
+    from collections import Counter
+
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            tables[section] = {}
+            continue
+        if section and re.match(r"^\d+ ", line):
+            key, _, value = line.partition(" ")
+            tables[section][int(key)] = value
+            continue
+        section = None
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None and line.strip() not in ("", "}"):
+            current.append(line)
+
+    def field(text: str, name: str) -> str | None:
+        found = re.search(rf"\b{name}=(\d+)", text)
+        return found.group(1) if found else None
+
+    def location(frame: int) -> tuple[str, int | None]:
+        entry = tables.get("StackFrames", {}).get(frame, "")
+        loc = tables.get("FileLocations", {}).get(int(field(entry, "file_location_id") or -1), "")
+        name = tables.get("FileNames", {}).get(int(field(loc, "file_name_id") or -1), '"?"')
+        # The table's frame ids count from 1 and its parent ids from 0 (the printed form of
+        # XLA's 0-based index: parent_frame_id=1 is frame 1's own parent, none is 0).
+        parent = int(field(entry, "parent_frame_id") or 0) - 1
+        parent = parent if 0 < parent < frame else None
+        return f"{name.strip(chr(34)).rsplit('/', 1)[-1]}:{field(loc, 'line')}", parent
+
+    def source(instruction: str) -> str | None:
+        op = re.search(r'op_name="([^"]*)"', instruction)
+        op = op.group(1).rsplit("/", 1)[-1] if op else "?"
+        frame = field(instruction, "stack_frame_id")
+        if frame is not None:  # the innermost frame and up to two distinct callers
+            chain, parent = [], int(frame)
+            while parent is not None and len(chain) < 3:
+                where, parent = location(parent)
+                if where not in chain:
+                    chain.append(where)
+            return f"{' < '.join(chain)} {op}"
+        file, line_no = (re.search(rf'{k}="?([^"\s,}}]*)', instruction)
+                         for k in ("source_file", "source_line"))
+        if file and line_no:
+            return f"{file.group(1).rsplit('/', 1)[-1]}:{line_no.group(1)} {op}"
+        return None
+
+    def called(instruction: str) -> list[str]:
+        return re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", instruction)
+
+    def gather(name: str, counts: Counter, seen: set) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for instruction in computations.get(name, []):
+            where = source(instruction)
+            if where:
+                counts[where] += 1
+            for callee in called(instruction):
+                gather(callee, counts, seen)
+
+    result = {}
+    for lines in computations.values():
+        types = {}  # instruction name -> result type, within the computation
+        for instruction in lines:
+            defined = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ", instruction)
+            if defined:
+                types[defined.group(1)] = defined.group(2)
+        for instruction in lines:
+            callees = called(instruction)
+            name = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)",
+                            instruction)
+            if not callees or not name:
+                continue
+            operands = [types.get(o.strip().lstrip("%"), "?")
+                        for o in name.group(3).split(",") if o.strip()]
+            counts: Counter = Counter()
+            own = source(instruction)
+            if own:
+                counts[own] += 1
+            for callee in callees:
+                gather(callee, counts, set())
+            result[name.group(1)] = {
+                "shape": name.group(2), "operands": operands,
+                "sources": [where for where, _ in counts.most_common(top)]}
+    return result

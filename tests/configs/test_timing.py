@@ -64,3 +64,49 @@ def test_timed_call_counts_calls_and_returns_the_last_result():
     seconds, out = timing.timed_call(fn, 7, reps=3, warmup=2)
     assert len(calls) == 5 and int(out) == 5 and seconds >= 0
     assert timing.timed(fn, 7, reps=1, warmup=0) >= 0 and len(calls) == 6
+
+
+def _scaled(x):
+    return x * 3.0  # the line hlo_kernels must name for the multiply
+
+
+def test_hlo_kernels_name_the_shapes_lines_and_callers_of_a_fusion():
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    def program(x, y):
+        return jnp.sum(jnp.swapaxes(_scaled(x), 0, 1) @ y, axis=0)
+
+    text = jax.jit(program).lower(jnp.ones((64, 32)), jnp.ones((64, 16))).compile().as_text()
+    sources = timing.hlo_kernels(text)
+    multiply_line = inspect.getsourcelines(_scaled)[1] + 1
+    call_line = inspect.getsourcelines(program)[1] + 1
+    here = "test_timing.py"
+    fusions = [name for name, kernel in sources.items()
+               if any(w.startswith(f"{here}:{multiply_line} ") for w in kernel["sources"])]
+    assert fusions, sources
+    multiply = sources[fusions[0]]
+    # The multiply's frame chain goes up to its caller's line in `program`.
+    assert any(w.startswith(f"{here}:{multiply_line} < {here}:{call_line}")
+               for w in multiply["sources"]), multiply
+    assert any(w.endswith(" mul") for w in multiply["sources"])
+    assert multiply["shape"].startswith("f32[64,32]") and multiply["operands"] == [
+        "f32[64,32]{1,0}"], multiply
+
+
+def test_hlo_kernels_read_the_older_metadata_form():
+    text = "\n".join([
+        "%fused_a (p: f32[4]) -> f32[4] {",
+        '  ROOT %m = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(f)/mul" '
+        'source_file="/x/model.py" source_line=12}',
+        "}",
+        "",
+        "ENTRY %main (p: f32[4]) -> f32[4] {",
+        "  %p = f32[4]{0} parameter(0)",
+        "  ROOT %loop_multiply_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_a",
+        "}",
+    ])
+    assert timing.hlo_kernels(text) == {"loop_multiply_fusion": {
+        "shape": "f32[4]{0}", "operands": ["f32[4]{0}"], "sources": ["model.py:12 mul"]}}
