@@ -41,6 +41,8 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
 _SOURCES = flags.DEFINE_integer("sources", 2, "source lines printed per XLA kernel")
+_HLO = flags.DEFINE_string("hlo", "", "when set, each case's optimized HLO is written under "
+                            "--out as <this>_<n>.hlo.txt")
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
 
 
@@ -51,7 +53,13 @@ def traced(fn, *args, reps: int) -> dict:
     compiled = fn.lower(*args).compile()
     events, wall_s = trace_kernels(compiled, *args, reps=reps)
     summary = summarize_kernels(events, calls=reps, wall_s=wall_s)
-    hlo = hlo_kernels(compiled.as_text())
+    text = compiled.as_text()
+    if _OUT.value and _HLO.value:  # for reading what hlo_kernels does not say
+        name = "".join(c if c.isalnum() else "_" for c in _HLO.value)
+        Path(_OUT.value).mkdir(parents=True, exist_ok=True)
+        (Path(_OUT.value) / f"{name}_{len(list(Path(_OUT.value).glob(name + '_*')))}.hlo.txt"
+         ).write_text(text)
+    hlo = hlo_kernels(text)
     for kernel in summary["kernels"]:
         kernel.update(hlo.get(kernel["name"], {}))
     return summary

@@ -99,8 +99,10 @@ def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
     and wrapped ops a profile names as kernels): {"shape": its result type, "operands": its
     operands' types, "sources": where its operations come from in the Python source, as
     "file:line < caller:line op" (the innermost frame and up to two distinct callers), the
-    `top` most frequent first, over the called computations recursively}. Inside a nested
-    jit or custom_vjp the frames are those of the call, so the shapes often say more.
+    `top` most frequent first, over the called computations recursively}, keyed by the name
+    as the profiler spells it ("." as "_"). Inside a nested jit or custom_vjp the frames are
+    those of the call; the op's scopes (an einsum's spec, transpose(jvp(...)) for a
+    gradient) and the shapes say more there.
 
     Reads both metadata forms: `stack_frame_id=N` against the module's FileNames /
     FileLocations / StackFrames tables, and the older `source_file=... source_line=...`."""
@@ -142,8 +144,8 @@ def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
         return f"{name.strip(chr(34)).rsplit('/', 1)[-1]}:{field(loc, 'line')}", parent
 
     def source(instruction: str) -> str | None:
-        op = re.search(r'op_name="([^"]*)"', instruction)
-        op = op.group(1).rsplit("/", 1)[-1] if op else "?"
+        op = re.search(r'op_name="([^"]*)"', instruction)  # its last two scopes say most
+        op = "/".join(op.group(1).split("/")[-2:]) if op else "?"
         frame = field(instruction, "stack_frame_id")
         if frame is not None:  # the innermost frame and up to two distinct callers
             chain, parent = [], int(frame)
@@ -193,7 +195,7 @@ def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
                 counts[own] += 1
             for callee in callees:
                 gather(callee, counts, set())
-            result[name.group(1)] = {
+            result[name.group(1).replace(".", "_")] = {  # the profiler's form of the name
                 "shape": name.group(2), "operands": operands,
                 "sources": [where for where, _ in counts.most_common(top)]}
     return result

@@ -26,7 +26,6 @@ from sympow.attention.mosaic_gpu import attention_kernels, blocks
 from sympow.attention.pallas import attention_kernels as portable_kernels
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.plan import Plan
-from sympow.numerics import HIGHEST
 
 logger = logging.getLogger(__name__)
 HOPPER = "9.0"  # the compute capability of the H100 and H200: wgmma and TMA need it
@@ -102,17 +101,19 @@ def _attention_fwd(plan, q, k, v, a):
 def diagonal_straddle(q, k, v, a, m, do, dden, p: int):
     """sum_{i >= k > j} dl_ij within each diagonal block of ROWS (float32 [B, Hq, N, C]):
     the blocks' scores, weights and dl recomputed in float32 from the saved row max m, with
-    the in-block decays as exact sums (the portable kernels' diagonal)."""
+    the in-block decays as exact sums (the portable kernels' diagonal). The scores and
+    do . v are GEMMs of the bf16 rows with float32 accumulation: a product of two bf16
+    values is exact in float32, so they equal float32 products of the same values."""
     b, hq, n, c, d = q.shape
     hk, rows = k.shape[1], blocks.ROWS
     groups, nb = hq // hk, c // rows
     f32 = jnp.float32
     in_blocks = lambda x, h: x.reshape(b, h, n, nb, rows, *x.shape[4:])  # noqa: E731
     by_group = lambda x: x.reshape(b, hk, groups, *x.shape[2:])  # noqa: E731
-    qb, dob = (by_group(in_blocks(x.astype(f32), hq)) for x in (q, do))  # [b,hk,r,n,x,i,.]
-    kb, vb = (in_blocks(x.astype(f32), hk) for x in (k, v))  # [b,hk,n,x,j,.]
+    qb, dob = (by_group(in_blocks(x, hq)) for x in (q, do))  # [b,hk,r,n,x,i,.]
+    kb, vb = (in_blocks(x, hk) for x in (k, v))  # [b,hk,n,x,j,.]
     mb, ddb = (by_group(in_blocks(x, hq)) for x in (m, dden))  # [b,hk,r,n,x,i]
-    s = jnp.einsum("bhrnxid,bhnxjd->bhrnxij", qb, kb, precision=HIGHEST)
+    s = jnp.einsum("bhrnxid,bhnxjd->bhrnxij", qb, kb, preferred_element_type=f32)
     index = jnp.arange(rows)
     ab = in_blocks(a, hk)[:, :, None]  # [b,hk,1,n,x,k]
     terms = jnp.where(index[:, None] > index[None, :], ab[..., :, None], 0.0)  # [k, j]
@@ -120,7 +121,8 @@ def diagonal_straddle(q, k, v, a, m, do, dden, p: int):
     valid = (s != 0) & (index[:, None] >= index[None, :])
     logit = jnp.where(valid, p * jnp.log(jnp.abs(jnp.where(valid, s, 1.0))) + decay, -jnp.inf)
     w = jnp.exp(logit - mb[..., None])
-    dw = jnp.einsum("bhrnxie,bhnxje->bhrnxij", dob, vb, precision=HIGHEST) + ddb[..., None]
+    dw = jnp.einsum("bhrnxie,bhnxje->bhrnxij", dob, vb, preferred_element_type=f32)
+    dw = dw + ddb[..., None]
     return chunked.diagonal_straddle(w * dw).reshape(b, hq, n, c)
 
 
