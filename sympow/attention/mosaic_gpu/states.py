@@ -9,9 +9,9 @@ work, each a `jax.custom_vjp` whose forward and backward are the Mosaic GPU kern
 * `rows_of_state(x, ls, s)`: y_r = phi(u_r) S (query_state's numerator, and in the backward
   of `state_of_rows` the cotangent of a).
 
-The normalizer states z [B, Hk, N, d^2] and the normalizer phi(u) . z are float32
-products on the tensor cores (`normalizers`); the combine with the intra-chunk (o, den, m)
-is `chunked.combine`. The prefix sum is the portable tier's kernel
+The normalizer states z [B, Hk, N, d^2] and the normalizer phi(u) . z are float32 XLA
+(a [C, d] x [d, d] product per chunk), differentiated by XLA; the combine with the
+intra-chunk (o, den, m) is `chunked.combine`. The prefix sum is the portable tier's kernel
 (it sees only F). The final state leaves in the tile=1 symmetric layout every tier returns,
 each feature the mean of (i, j) and its mirror (j, i): both hold the same sum, and the mean
 keeps the cotangent that comes back symmetric.
@@ -31,11 +31,12 @@ import numpy as np
 
 from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, normalizers, state_kernels, vjps
+from sympow.attention.mosaic_gpu import blocks, state_kernels, vjps
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
 from sympow.attention.pallas.primitives import pad_to
+from sympow.numerics import HIGHEST
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = 2  # the square layout is phi for p = 2
@@ -126,13 +127,19 @@ def _rows_of_state_bwd(res, dy):
 rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
 
 
+def _normalizer_state(k, ls):
+    """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r)."""
+    u = k.astype(F32) * jnp.exp(ls)[..., None]
+    z = jnp.einsum("bhnci,bhncj->bhnij", u, u, precision=HIGHEST)
+    return z.reshape(*z.shape[:3], -1)
+
+
 def update_state(k, v, tail):
     """`ChunkPrimitives.update_state` in the square layout (p = 2)."""
     e = v.shape[-1]
     ls = tail / P
     s = state_of_rows(k, ls, pad_to(v, -1, _kernel_width(e)), k.shape[1])
-    z = normalizers.normalizer_state(k, ls)  # [B, Hk, N, d, d]
-    return s[..., :e], z.reshape(*z.shape[:3], -1)
+    return s[..., :e], _normalizer_state(k, ls)
 
 
 @functools.lru_cache(maxsize=4)
@@ -163,5 +170,7 @@ def query_state(q, s_in, z_in, g, o, den, m):
     per_query_head = lambda x: jnp.repeat(x, hq // hk, axis=1)  # noqa: E731
     ls = per_query_head(g / P)
     num = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)))[..., :e]
-    inter_den = normalizers.normalizer_rows(q, ls, per_query_head(z_in.reshape(b, hk, n, d, d)))
-    return chunked.combine(o, den, m, num, inter_den)
+    u = q.astype(F32) * jnp.exp(ls)[..., None]
+    zq = jnp.einsum("bhnci,bhnij->bhncj", u, per_query_head(z_in.reshape(b, hk, n, d, d)),
+                    precision=HIGHEST)
+    return chunked.combine(o, den, m, num, jnp.sum(zq * u, axis=-1))
