@@ -21,11 +21,11 @@ stores m in natural units, and with it each row's scale c = -log2 max_j |s_ij|. 
 takes no logarithm and no division: w = s'^p exp2(D - m - p c) and ds = p dl / s =
 p s'^(p-1) exp2(D - m - p c) 2^c dw with s' = s 2^c (`_power_terms`), one ex2 per score.
 
-The dQ kernel also returns dhead (per query, dl summed over earlier key blocks) and the
+The dQ kernel also returns dhead (per query, dl summed over earlier key blocks), the
 block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go
-through shared memory into the columns' layout, `block_total`), stored 64 pairs at a time;
-the dK, dV kernel returns dtail. The
-diagonal blocks' straddle sums are left to the caller (`vjps.py`).
+through shared memory into the columns' layout, `block_total`), stored 64 pairs at a time,
+and its diagonal block's straddle sums (`blocks.straddle_sums`: one more product with a 0/1
+matrix, on the dl the block already has in registers); the dK, dV kernel returns dtail.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     own_scratch,
     row_vector,
     store_own,
+    straddle_sums,
     swizzled,
     tile,
     write_mask,
@@ -249,8 +250,8 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
-               dden_ref, dq_ref, dhead_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded,
-               ring_freed, out, *, p, groups, tiles):
+               dden_ref, dq_ref, dhead_ref, ddiag_ref, pairs_ref, own, own_bars, ring_arrays,
+               ring_loaded, ring_freed, out, *, p, groups, tiles):
     walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
@@ -258,7 +259,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, do_smem, a_smem, hd_smem, m_smem, c_smem, dden_smem, ones_smem = own
-        dq_smem, dhead_smem, sums_smem, pair_smem = out
+        dq_smem, dhead_smem, sums_smem, pair_smem, ddiag_smem, parts_smem = out
         mine = (b, hq, n, walk.rows)
         load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
                    (a_ref.at[b, hk, n, walk.rows], a_smem),
@@ -282,7 +283,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             return by_cols(plgpu.load(buf, (), layout=COL_VECTOR)).sum(axis=1)
 
         def visit(step, carry, on_diagonal: bool):
-            dq, dhead, totals, mid = carry
+            dq, dhead, ddiag, totals, mid = carry
             slot = ring.slot(step)
             key_block = walk.top - step
             k_smem = ring.wait(slot, 0)
@@ -296,7 +297,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             ds = dsdw * dw
             dq = accumulate(dq, ds, k_smem)
             ring.release(slot)
-            if not on_diagonal:  # the diagonal's pairs are the caller's straddle sums
+            if on_diagonal:  # the pairs within the block: each a_k's straddle sum
+                ddiag = straddle_sums(dl, parts_smem.at[wg])
+            else:
                 row_sums = dl.sum(axis=1)
                 dhead = dhead + row_sums
                 slot_of_pair = lax.rem(key_block, ROWS)
@@ -307,14 +310,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
                     store_own([(totals, pair_smem,
                                  pairs_ref.at[b, hq, n, walk.block, pl.ds(key_block, ROWS)])],
                                wg)
-            return dq, dhead, totals, mid + tot_ref[b, hk, n, key_block]
+            return dq, dhead, ddiag, totals, mid + tot_ref[b, hk, n, key_block]
 
         p_scale = scale * p
         d = q_ref.shape[-1]
-        dq, dhead, _, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0), row_vector(0.0),
-                                           jnp.zeros((), F32)))
+        dq, dhead, ddiag, _, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0),
+                                                  row_vector(0.0), row_vector(0.0),
+                                                  jnp.zeros((), F32)))
         store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
-                    (dhead, dhead_smem, dhead_ref.at[mine])], wg)
+                    (dhead, dhead_smem, dhead_ref.at[mine]),
+                    (ddiag, ddiag_smem, ddiag_ref.at[mine])], wg)
 
     pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
 
@@ -406,11 +411,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
 
 
 def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages: int = 2):
-    """The Hopper kernels of the backward: (dq, dhead, pairs) and (dk, dv, dtail).
+    """The Hopper kernels of the backward: (dq, dhead, ddiag, pairs) and (dk, dv, dtail).
 
     Inputs as `attention_fwd`'s, with its m and c (`scales`) and the cotangents do
     [B,Hq,N,C,E] (bfloat16) and dden [B,Hq,N,C]. dq, dk, dv in the inputs' dtype; dhead
-    [B,Hq,N,C] and dtail [B,Hk,N,C] float32 (module docstring); pairs [B,Hq,N,C/ROWS,P]
+    [B,Hq,N,C] and dtail [B,Hk,N,C] float32 (module docstring); ddiag [B,Hq,N,C] float32,
+    per k the sum of dl_ij over i >= k > j within k's diagonal block of ROWS (the
+    pairs whose decay holds a_k, `blocks.straddle_sums`); pairs [B,Hq,N,C/ROWS,P]
     float32 with P the number of key blocks rounded up to ROWS: [I, J] the total of dl over
     the block pair for J < I, unwritten for J >= I (the caller masks them)."""
     b, hq, n, c, d = q.shape
@@ -421,17 +428,19 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     bars = lambda count: tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS)  # noqa: E731
                                for _ in range(count))
     args = (q, k, v, a, head, tail, totals, m, scales, do, dden)
-    dq, dhead, pairs = launch(
+    dq, dhead, ddiag, pairs = launch(
         lambda *refs: _dq_kernel(*refs, p=p, groups=groups, tiles=tiles),
         name="sympow_attention_dq",
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
                   jax.ShapeDtypeStruct((b, hq, n, c), F32),
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
                               tile(ROWS)),
                  bars(7), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
-                  *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR))),
+                  *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR, VECTOR,
+                               ((3, ROWS, ROWS), BF16, True)))),
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
     dk, dv, dtail = launch(
         lambda *refs: _dkv_kernel(*refs, p=p, groups=groups, tiles=tiles),
@@ -444,4 +453,4 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                  (swizzled((COMPUTE_WGS, ROWS, d), k.dtype),
                   swizzled((COMPUTE_WGS, ROWS, e), v.dtype), *own_scratch(VECTOR))),
         grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"), args=args)
-    return (dq, dhead, pairs), (dk, dv, dtail)
+    return (dq, dhead, ddiag, pairs), (dk, dv, dtail)

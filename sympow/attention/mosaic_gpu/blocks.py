@@ -1,5 +1,5 @@
 """What the Hopper tier's kernels share: block sizes, shared-memory tiles, the ring of blocks
-the memory warpgroup fetches ahead, and the exact in-block decay product.
+the memory warpgroup fetches ahead, and the exact in-block products (decays, straddle sums).
 
 Every kernel of the tier is one program per 128 rows of a chunk (two compute warpgroups of
 64 rows, one wgmma M each) plus a memory warpgroup that only issues TMA copies: it walks the
@@ -91,18 +91,47 @@ def decay_product(a_smem, a_mask: Callable, ones_smem):
     in-block prefix sums would carry the ulp of the larger prefix into every decay)."""
     rows, cols = indices()
     a = plgpu.load(a_smem, (), layout=COL_VECTOR)
-    gates = jnp.where(a_mask(rows, cols), by_cols(a), 0.0)
-    high = gates.astype(jnp.bfloat16)
-    rest = gates - high.astype(jnp.float32)  # exact in float32
-    middle = rest.astype(jnp.bfloat16)
-    low = (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16)
+    parts = bf16_parts(jnp.where(a_mask(rows, cols), by_cols(a), 0.0))
 
     def product(acc_ref):
-        for part in (low, middle, high):  # small parts first: they round least
+        for part in parts:
             plgpu.wgmma(acc_ref, part, ones_smem)
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
+
+
+def bf16_parts(x):
+    """(low, middle, high): float32 x as three bf16 parts whose sum is x to float32
+    accuracy (each remainder is exact in float32), smallest first (the order to accumulate
+    them in: small parts round least). A product of each with a 0/1 matrix is exact."""
+    high = x.astype(jnp.bfloat16)
+    rest = x - high.astype(jnp.float32)
+    middle = rest.astype(jnp.bfloat16)
+    return (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16), middle, high
+
+
+def straddle_sums(dl, parts_smem):
+    """sum_{i >= k > j} dl_ij for each k of a diagonal block (a row vector), for its pair
+    cotangents dl [ROWS, ROWS] (wgmma layout, zero above the diagonal): the pairs whose
+    in-block decay holds a_k. R = L dl with L[k, i] = [i >= k] (registers) and dl's three
+    bf16 parts written to parts_smem [3, ROWS, ROWS] (exact products, float32 sums), then
+    each row k of R summed over j < k, within the row's warp. Each sum is of the pairs'
+    own terms (no difference of longer sums), as `chunked.diagonal_straddle`'s."""
+    rows, cols = indices()
+    lower = jnp.where(cols >= rows, 1.0, 0.0).astype(jnp.bfloat16)
+    parts = bf16_parts(dl)
+    for index, part in enumerate(parts):
+        parts_smem.at[index][...] = part
+    plgpu.commit_smem()
+
+    def product(acc_ref):
+        for index in range(len(parts)):
+            plgpu.wgmma(acc_ref, lower, parts_smem.at[index])
+        return acc_ref[...]
+
+    r = pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))  # [k, j]: sum_{i >= k} dl_ij
+    return jnp.where(cols < rows, r, 0.0).sum(axis=1)
 
 
 def load_own(pairs, wg, bars) -> None:

@@ -6,10 +6,10 @@ custom_vjp whose forward and backward run `attention_kernels` (wgmma, TMA, warp
 specialization); otherwise the portable tier's primitive, with the reason logged once.
 
 The backward's gate cotangent comes from local sums as in the portable tier
-(`chunked.block_gate_cotangent`): dhead and the block-pair totals from the dQ kernel, dtail
-from the dK, dV kernel, and the diagonal blocks' straddle sums here, in float32 XLA over
-the recomputed diagonal blocks only (T x 64 scores per head: a diagonal block's sums run
-down its rows, which a wgmma result spreads over warps).
+(`chunked.block_gate_cotangent`): dhead, the block-pair totals and the diagonal blocks'
+straddle sums from the dQ kernel, dtail from the dK, dV kernel. (The straddle sums were
+float32 XLA over the recomputed diagonal blocks until 2026-11-25: ~0.8 ms of the 9.8 ms
+chunked call at T = 65,536 on an H100, docs/kernels.md.)
 """
 
 from __future__ import annotations
@@ -98,34 +98,6 @@ def _attention_fwd(plan, q, k, v, a):
     return (o, den, m), Residuals(q, k, v, a, m, c)
 
 
-def diagonal_straddle(q, k, v, a, m, do, dden, p: int):
-    """sum_{i >= k > j} dl_ij within each diagonal block of ROWS (float32 [B, Hq, N, C]):
-    the blocks' scores, weights and dl recomputed in float32 from the saved row max m, with
-    the in-block decays as exact sums (the portable kernels' diagonal). The scores and
-    do . v are GEMMs of the bf16 rows with float32 accumulation: a product of two bf16
-    values is exact in float32, so they equal float32 products of the same values."""
-    b, hq, n, c, d = q.shape
-    hk, rows = k.shape[1], blocks.ROWS
-    groups, nb = hq // hk, c // rows
-    f32 = jnp.float32
-    in_blocks = lambda x, h: x.reshape(b, h, n, nb, rows, *x.shape[4:])  # noqa: E731
-    by_group = lambda x: x.reshape(b, hk, groups, *x.shape[2:])  # noqa: E731
-    qb, dob = (by_group(in_blocks(x, hq)) for x in (q, do))  # [b,hk,r,n,x,i,.]
-    kb, vb = (in_blocks(x, hk) for x in (k, v))  # [b,hk,n,x,j,.]
-    mb, ddb = (by_group(in_blocks(x, hq)) for x in (m, dden))  # [b,hk,r,n,x,i]
-    s = jnp.einsum("bhrnxid,bhnxjd->bhrnxij", qb, kb, preferred_element_type=f32)
-    index = jnp.arange(rows)
-    ab = in_blocks(a, hk)[:, :, None]  # [b,hk,1,n,x,k]
-    terms = jnp.where(index[:, None] > index[None, :], ab[..., :, None], 0.0)  # [k, j]
-    decay = jnp.cumsum(terms, axis=-2)  # [i, j] = sum_{j < k <= i} a_k
-    valid = (s != 0) & (index[:, None] >= index[None, :])
-    logit = jnp.where(valid, p * jnp.log(jnp.abs(jnp.where(valid, s, 1.0))) + decay, -jnp.inf)
-    w = jnp.exp(logit - mb[..., None])
-    dw = jnp.einsum("bhrnxie,bhnxje->bhrnxij", dob, vb, preferred_element_type=f32)
-    dw = dw + ddb[..., None]
-    return chunked.diagonal_straddle(w * dw).reshape(b, hq, n, c)
-
-
 def _attention_bwd(plan, res: Residuals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
     q, k, v, a, m, scales = res
@@ -134,9 +106,8 @@ def _attention_bwd(plan, res: Residuals, cts):
     nb = c // rows
     head, tail = portable_kernels.block_gate_sums(a, plan)
     do = do.astype(q.dtype)
-    (dq, dhead, pairs), (dk, dv, dtail) = attention_kernels.attention_bwd(
+    (dq, dhead, ddiag, pairs), (dk, dv, dtail) = attention_kernels.attention_bwd(
         q, k, v, a, head, tail, m, scales, do, dden, p=plan.p)
-    ddiag = diagonal_straddle(q, k, v, a, m, do, dden, plan.p)
     below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]  # [I, J]: the pairs written
     pairs = jnp.where(below, pairs[..., :nb], 0.0)
     per_kv_head = lambda x: x.reshape(b, hk, hq // hk, *x.shape[2:]).sum(axis=2)  # noqa: E731

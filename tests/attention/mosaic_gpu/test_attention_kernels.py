@@ -50,7 +50,10 @@ def test_the_backward_lowers_to_two_mosaic_gpu_kernels(b, hq, hk, n, c, d, e, p)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     blocks_ = c // blocks.ROWS
     slots = -(-blocks_ // blocks.ROWS) * blocks.ROWS
-    assert f"tensor<{b}x{hq}x{n}x{blocks_}x{slots}xf32>" in text  # the block-pair totals
+    rows = f"tensor<{b}x{hq}x{n}x{c}xf32>"
+    # dq, dhead, the diagonal straddle sums and the block-pair totals
+    assert (f"tensor<{b}x{hq}x{n}x{c}x{d}xbf16>, {rows}, {rows}, "
+            f"tensor<{b}x{hq}x{n}x{blocks_}x{slots}xf32>") in text
     assert f"tensor<{b}x{hk}x{n}x{c}x{d}xbf16>, tensor<{b}x{hk}x{n}x{c}x{e}xbf16>, " \
            f"tensor<{b}x{hk}x{n}x{c}xf32>" in text  # dk, dv, dtail
 

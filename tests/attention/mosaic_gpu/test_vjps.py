@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sympow.attention import testing
+from sympow.attention import chunked, testing
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import attention_kernels, blocks, vjps
 from sympow.attention.mosaic_gpu import primitives as hopper
@@ -65,8 +65,8 @@ def test_off_a_hopper_gpu_it_is_the_portable_primitive_and_says_why(rng, caplog)
 
 def kernel_outputs_by_definition(q, k, v, a, head, tail, m, c, do, dden, *, p):
     """What the Hopper backward kernels return, from their definitions in float32 XLA:
-    (dq, dhead, pairs), (dk, dv, dtail), with NaN where the dQ kernel writes no pair total
-    (J >= I), as uninitialized memory might hold."""
+    (dq, dhead, ddiag, pairs), (dk, dv, dtail), with NaN where the dQ kernel writes no pair
+    total (J >= I), as uninitialized memory might hold."""
     assert c.shape == m.shape == q.shape[:4]  # the forward's row scales, passed on
     b, hq, n, t, _ = q.shape
     hk, rows = k.shape[1], blocks.ROWS
@@ -89,11 +89,14 @@ def kernel_outputs_by_definition(q, k, v, a, head, tail, m, c, do, dden, *, p):
     dv = per_kv(jnp.einsum("bhnij,bhnie->bhnje", w, do))
     dhead = jnp.where(earlier, dl, 0.0).sum(axis=-1)
     dtail = per_kv(jnp.where(earlier, dl, 0.0).sum(axis=-2))
-    pairs = dl.reshape(b, hq, n, nb, rows, nb, rows).sum(axis=(-3, -1))
+    in_pairs = dl.reshape(b, hq, n, nb, rows, nb, rows)
+    diagonal = jnp.diagonal(in_pairs, axis1=3, axis2=5)  # [b, hq, n, i, j, block]
+    ddiag = chunked.diagonal_straddle(jnp.moveaxis(diagonal, -1, 3)).reshape(b, hq, n, t)
+    pairs = in_pairs.sum(axis=(-3, -1))
     pairs = jnp.where(jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :], pairs, jnp.nan)
     slots = -(-nb // rows) * rows
     pairs = jnp.pad(pairs, [(0, 0)] * 4 + [(0, slots - nb)], constant_values=jnp.nan)
-    return (dq, dhead, pairs), (dk, dv, dtail)
+    return (dq, dhead, ddiag, pairs), (dk, dv, dtail)
 
 
 def test_the_hopper_backward_assembles_the_portable_gradients(rng, monkeypatch):
