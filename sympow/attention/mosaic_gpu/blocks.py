@@ -115,28 +115,27 @@ def straddle_sums(dl, part_smem):
     """sum_{i >= k > j} dl_ij for each k of a diagonal block (a row vector), for its pair
     cotangents dl [ROWS, ROWS] (wgmma layout, zero above the diagonal): the pairs whose
     in-block decay holds a_k. R = L dl with L[k, i] = [i >= k] (registers) and dl's three
-    bf16 parts passing one at a time through part_smem [ROWS, ROWS] (exact products,
-    float32 sums), then each row k of R summed over j < k, within the row's warp. Each sum
-    is of the pairs' own terms (no difference of longer sums), as
-    `chunked.diagonal_straddle`'s.
+    bf16 parts passing one at a time through part_smem [ROWS, ROWS], each part's product
+    in its own accumulator (exact products, float32 sums), then each row k of R summed
+    over j < k, within the row's warp. Each sum is of the pairs' own terms (no difference
+    of longer sums), as `chunked.diagonal_straddle`'s.
 
-    Every product is waited for: the caller's products still running when it starts (their
-    register operands must outlive them, `state_kernels.products`) and each part's before
-    the next one overwrites the tile it reads."""
+    The caller's products still running are waited for first: their register operands
+    must outlive them (`state_kernels.products`)."""
     plgpu.wgmma_wait(0)
     rows, cols = indices()
     lower = jnp.where(cols >= rows, 1.0, 0.0).astype(jnp.bfloat16)
-    parts = bf16_parts(dl)
 
     def product(acc_ref):
-        for part in parts:
-            part_smem[...] = part
-            plgpu.commit_smem()
-            plgpu.wgmma(acc_ref, lower, part_smem)
-            plgpu.wgmma_wait(0)
+        plgpu.wgmma(acc_ref, lower, part_smem)
         return acc_ref[...]
 
-    r = pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))  # [k, j]: sum_{i >= k} dl_ij
+    r = None  # [k, j]: sum_{i >= k} dl_ij
+    for part in bf16_parts(dl):
+        part_smem[...] = part  # the previous product has been read: its tile is free
+        plgpu.commit_smem()
+        term = pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
+        r = term if r is None else r + term
     return jnp.where(cols < rows, r, 0.0).sum(axis=1)
 
 
