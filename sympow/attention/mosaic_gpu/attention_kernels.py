@@ -259,7 +259,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, do_smem, a_smem, hd_smem, m_smem, c_smem, dden_smem, ones_smem = own
-        dq_smem, dhead_smem, sums_smem, pair_smem, ddiag_smem, part_smem = out
+        dq_smem, dhead_smem, sums_smem, pair_smem, ddiag_smem, part_smem, lower_smem = out
         mine = (b, hq, n, walk.rows)
         load_own([(q_ref.at[mine], q_smem), (do_ref.at[mine], do_smem),
                    (a_ref.at[b, hk, n, walk.rows], a_smem),
@@ -298,7 +298,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             dq = accumulate(dq, ds, k_smem)
             ring.release(slot)
             if on_diagonal:  # the pairs within the block: each a_k's straddle sum
-                ddiag = straddle_sums(dl, part_smem.at[wg])
+                ddiag = straddle_sums(dl, part_smem.at[wg], lower_smem.at[wg])
             else:
                 row_sums = dl.sum(axis=1)
                 dhead = dhead + row_sums
@@ -440,7 +440,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                  bars(7), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
                   *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR, VECTOR,
-                               tile(ROWS)))),
+                               tile(ROWS), tile(ROWS)))),
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
     dk, dv, dtail = launch(
         lambda *refs: _dkv_kernel(*refs, p=p, groups=groups, tiles=tiles),

@@ -111,23 +111,24 @@ def bf16_parts(x):
     return (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16), middle, high
 
 
-def straddle_sums(dl, part_smem):
+def straddle_sums(dl, part_smem, lower_smem):
     """sum_{i >= k > j} dl_ij for each k of a diagonal block (a row vector), for its pair
     cotangents dl [ROWS, ROWS] (wgmma layout, zero above the diagonal): the pairs whose
-    in-block decay holds a_k. R = L dl with L[k, i] = [i >= k] (registers) and dl's three
-    bf16 parts passing one at a time through part_smem [ROWS, ROWS], each part's product
-    in its own accumulator (exact products, float32 sums), then each row k of R summed
-    over j < k, within the row's warp. Each sum is of the pairs' own terms (no difference
-    of longer sums), as `chunked.diagonal_straddle`'s.
+    in-block decay holds a_k. R = L dl with L[k, i] = [i >= k] written to lower_smem and
+    dl's three bf16 parts passing one at a time through part_smem (both [ROWS, ROWS]), each
+    part's product in its own accumulator (exact products, float32 sums), then each row k
+    of R summed over j < k, within the row's warp. Each sum is of the pairs' own terms (no
+    difference of longer sums), as `chunked.diagonal_straddle`'s.
 
-    The caller's products still running are waited for first: their register operands
-    must outlive them (`state_kernels.products`)."""
-    plgpu.wgmma_wait(0)
+    Both operands come from shared memory: with L as a register operand, rows 0-7 of every
+    16 came out as garbage now and then on an H100 (a register operand must outlive the
+    asynchronous product reading it, `state_kernels.products`)."""
+    plgpu.wgmma_wait(0)  # the caller's products: their register operands outlive them
+    write_mask(lower_smem, lambda k, i: i >= k)
     rows, cols = indices()
-    lower = jnp.where(cols >= rows, 1.0, 0.0).astype(jnp.bfloat16)
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, lower, part_smem)
+        plgpu.wgmma(acc_ref, lower_smem, part_smem)
         return acc_ref[...]
 
     r = None  # [k, j]: sum_{i >= k} dl_ij
