@@ -2,12 +2,14 @@
 Pallas' Mosaic GPU lowering, to one Mosaic GPU kernel for CUDA (jax lowers across platforms
 without a GPU). Their numbers need a Hopper GPU: `experiments/gpu_check.py --only=primitives`
 compares them with the portable kernels there (the Mosaic GPU interpreter cannot run a
-wgmma whose A operand is in registers)."""
+wgmma whose A operand is in registers). The arithmetic of the in-kernel straddle sums (bf16
+parts, the 0/1 product, the masked row sums) is checked in plain JAX."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sympow.attention.mosaic_gpu import attention_kernels, blocks
@@ -62,3 +64,40 @@ def test_the_shapes_they_take_are_whole_programs():
     assert blocks.TILE_ROWS == blocks.COMPUTE_WGS * blocks.ROWS
     assert blocks.ROWS == 64  # one wgmma M per warpgroup
     assert blocks.WIDTHS == (64, 128)
+
+
+def test_bf16_parts_hold_float32(rng):
+    x = jnp.asarray(rng.normal(size=(64, 64)) * 10.0 ** rng.integers(-8, 8, size=(64, 64)),
+                    jnp.float32)
+    parts = blocks.bf16_parts(x)
+    assert [p.dtype for p in parts] == [jnp.bfloat16] * 3
+    total = sum(np.asarray(p, np.float64) for p in parts)
+    np.testing.assert_array_less(np.abs(total - np.asarray(x, np.float64)),
+                                 2.0 ** -26 * np.abs(np.asarray(x, np.float64)) + 1e-45)
+    low, middle, high = (np.abs(np.asarray(p, np.float64)) for p in parts)
+    assert np.all(low <= middle) and np.all(middle <= high)  # smallest first
+
+
+def test_the_straddle_product_is_the_straddle_sums(rng):
+    """`blocks.straddle_sums`' arithmetic in plain JAX (the kernel itself needs a Hopper
+    GPU): R = L dl over dl's three bf16 parts, L[k, i] = [i >= k], then each row of R over
+    j < k, equals `chunked.diagonal_straddle` to float32 rounding."""
+    from sympow.attention import chunked
+
+    rows = blocks.ROWS
+    index = np.arange(rows)
+    dl = rng.normal(size=(3, rows, rows)) * np.exp(rng.normal(0.0, 3.0, size=(3, rows, rows)))
+    dl = jnp.asarray(np.where(index[:, None] >= index[None, :], dl, 0.0), jnp.float32)
+    lower = jnp.asarray(index[None, :] >= index[:, None], jnp.bfloat16)  # [k, i]
+    r = sum(jnp.einsum("ki,bij->bkj", lower, part, preferred_element_type=jnp.float32)
+            for part in blocks.bf16_parts(dl))
+    got = jnp.where(index[None, :] < index[:, None], r, 0.0).sum(axis=-1)
+    want = chunked.diagonal_straddle(dl)
+    scale = np.abs(np.asarray(dl)).sum(axis=(-2, -1), keepdims=True)[..., 0]
+    error = np.abs(np.asarray(got) - np.asarray(want))
+    assert np.all(error <= 1e-5 * scale), (error.max(axis=-1), scale[:, 0])
+    # and a one-part (bf16) product would not pass: the check can fail
+    bf16_only = jnp.einsum("ki,bij->bkj", lower, dl.astype(jnp.bfloat16),
+                           preferred_element_type=jnp.float32)
+    rough = jnp.where(index[None, :] < index[:, None], bf16_only, 0.0).sum(axis=-1)
+    assert np.any(np.abs(np.asarray(rough) - np.asarray(want)) > 1e-5 * scale)
