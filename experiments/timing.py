@@ -174,17 +174,14 @@ def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
             for callee in called(instruction):
                 gather(callee, counts, seen)
 
+    # name = type op(operands): the operands without their /*index=N*/ comments
+    definition = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)")
     result = {}
     for lines in computations.values():
-        types = {}  # instruction name -> result type, within the computation
-        for instruction in lines:
-            defined = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ", instruction)
-            if defined:
-                types[defined.group(1)] = defined.group(2)
-        for instruction in lines:
+        defined = [(definition.match(re.sub(r"/\*.*?\*/", "", line)), line) for line in lines]
+        types = {match.group(1): match.group(2) for match, _ in defined if match}
+        for name, instruction in defined:
             callees = called(instruction)
-            name = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(([^)]*)\)",
-                            instruction)
             if not callees or not name:
                 continue
             operands = [types.get(o.strip().lstrip("%"), "?")

@@ -105,8 +105,10 @@ def test_hlo_kernels_read_the_older_metadata_form():
         "",
         "ENTRY %main (p: f32[4]) -> f32[4] {",
         "  %p = f32[4]{0} parameter(0)",
-        "  ROOT %loop_multiply_fusion.2 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_a",
+        "  ROOT %loop_multiply_fusion.2 = f32[4]{0} fusion(%p, /*index=1*/%p), kind=kLoop, "
+        "calls=%fused_a",
         "}",
     ])
     assert timing.hlo_kernels(text) == {"loop_multiply_fusion_2": {
-        "shape": "f32[4]{0}", "operands": ["f32[4]{0}"], "sources": ["model.py:12 jit(f)/mul"]}}
+        "shape": "f32[4]{0}", "operands": ["f32[4]{0}"] * 2,
+        "sources": ["model.py:12 jit(f)/mul"]}}
