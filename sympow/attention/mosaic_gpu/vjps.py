@@ -8,8 +8,8 @@ specialization); otherwise the portable tier's primitive, with the reason logged
 The backward's gate cotangent comes from local sums as in the portable tier
 (`chunked.block_gate_cotangent`): dhead, the block-pair totals and the diagonal blocks'
 straddle sums from the dQ kernel, dtail from the dK, dV kernel. (The straddle sums were
-float32 XLA over the recomputed diagonal blocks until 2026-11-25: ~0.8 ms of the 9.8 ms
-chunked call at T = 65,536 on an H100, docs/kernels.md.)
+float32 XLA over the recomputed diagonal blocks until 2026-11-25: ~1.0 ms of GPU time in
+the 9.75 ms chunked call at T = 65,536 on an H100, docs/kernels.md.)
 """
 
 from __future__ import annotations
