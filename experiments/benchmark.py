@@ -25,8 +25,10 @@ from timing import timed  # noqa: E402  (experiments/timing.py, beside this scri
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
 _IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS, each optionally "
-                           "with ':algorithm' (e.g. pallas:attention), and 'cudnn' (default: "
-                           "the kernel rows of the table, cudnn, xla)")
+                           "with ':algorithm' (e.g. pallas:attention) and '@NAME=value;...' "
+                           "settings of the Hopper state primitives (sympow.attention."
+                           "mosaic_gpu.states, e.g. @NORMALIZER_ALGORITHM=HIGHEST), and "
+                           "'cudnn' (default: the kernel rows of the table, cudnn, xla)")
 _P = flags.DEFINE_integer("p", 2, "the power of the sympow cases")
 _REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")
 _CHUNK = flags.DEFINE_integer("chunk", None, "sympow chunk size (None: the impl's default)")
@@ -69,10 +71,23 @@ def attention_fn(impl: str, chunk: int | None = None):
     if impl == "cudnn":
         return lambda q, k, v, log_g: jax.nn.dot_product_attention(
             q, k, v, implementation="cudnn", is_causal=True)
+    impl, _, settings = impl.partition("@")
+    apply_settings(settings)
     backend, _, algorithm = impl.partition(":")
     return lambda q, k, v, log_g: sympow.sympow_attention(
         q, k, v, log_g, p=_P.value, impl=backend, algorithm=algorithm or None,
         chunk_size=chunk or _CHUNK.value)
+
+
+def apply_settings(settings: str) -> None:
+    """'NAME=value;...': module settings of the Hopper state primitives (strings), the
+    variants a measurement compares in one run."""
+    from sympow.attention.mosaic_gpu import states
+
+    for name, value in (kv.split("=") for kv in settings.split(";") if kv):
+        if not hasattr(states, name):
+            raise ValueError(f"--impls: states has no setting {name!r}")
+        setattr(states, name, value)
 
 
 def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
@@ -231,7 +246,7 @@ def impls() -> list[str]:
         return [*kernels, "cudnn", "xla"]
     for impl in _IMPLS.value:
         if impl != "cudnn":
-            backend, _, algorithm = impl.partition(":")
+            backend, _, algorithm = impl.partition("@")[0].partition(":")
             implementations.check_impl(backend, algorithm or None)
     return list(_IMPLS.value)
 
@@ -262,15 +277,16 @@ def sweep() -> list[dict]:
 
 def report(results: list[dict]) -> None:
     cudnn = {(r["t"], r["h"]): r for r in results if r["impl"] == "cudnn" and "fwd_ms" in r}
-    print(f"\n{'impl':16s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
+    w = max([16] + [len(r["impl"]) for r in results])
+    print(f"\n{'impl':{w}s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
           f"{'peak GiB':>9s}")
     for r in results:
         if "fwd_ms" not in r:
-            print(f"{r['impl']:16s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
+            print(f"{r['impl']:{w}s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
             continue
         base = cudnn.get((r["t"], r["h"]))
         ratio = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}x" if base else "       -"
-        print(f"{r['impl']:16s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
+        print(f"{r['impl']:{w}s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
               f"{ratio} {r['peak_gib']:9.2f}")
     if not _OUT.value:
         return

@@ -234,7 +234,8 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
 def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     """Rows (output, err, note, ok): each Hopper state kernel against its definition in
     float32 XLA (state_kernels.*_reference) on the same bf16 inputs: rows_to_state (S),
-    state_to_rows (y = phi(u) S) and its transposed form (g)."""
+    state_to_rows (y = phi(u) S), its transposed form (g) and row_gradients (dx = 2 g in
+    bf16, dls its row sums against x)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -258,10 +259,13 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                 (sk.state_to_rows(x, col, s, transposed=False),
                  sk.state_to_rows_reference(x, col, s, transposed=False)),
                 (sk.state_to_rows(a, col, s, transposed=True),
-                 sk.state_to_rows_reference(a, col, s, transposed=True))]
+                 sk.state_to_rows_reference(a, col, s, transposed=True)),
+                *zip(sk.row_gradients(a, x, col, s), sk.row_gradients_reference(a, x, col, s),
+                     strict=True)]
 
     rows = []
-    for name, (got, want) in zip(("S", "y", "g"), run(xt, col, a, x, s), strict=True):
+    for name, (got, want) in zip(("S", "y", "g", "dx", "dls"), run(xt, col, a, x, s),
+                                 strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0

@@ -13,10 +13,11 @@ selection products):
   and, transposed, g_r = sum_j col_jr (a_r S_j^T)      (half the row gradient of phi(u) . S a).
 
 with x the raw rows (keys or queries, bf16), u = x e^ls their scaled values and
-col = x^T e^(2 ls) [D, C] in float32, so u_ri u_rj = col_ir x_rj. The operand is a bf16
-product: col rounded to bf16, times x (bf16 x bf16 is exact in float32, so the product
-rounds once more, to bf16, where the MMA takes it; no float32 copy of the block, no
-conversions). Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
+col = x^T e^(2 ls) [D, C], so u_ri u_rj = col_ir x_rj. The operand is a bf16 product: col
+in bf16 (stored so, or rounded where the kernel loads it: the same numbers, and bf16 halves
+its traffic), times x (bf16 x bf16 is exact in float32, so the product rounds once more,
+to bf16, where the MMA takes it; no float32 copy of the block, no conversions).
+Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
 
 Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `Ring`.
 - rows_to_state: one program per (group of 2 x per_wg features i, chunk, kv head); the
@@ -85,7 +86,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
     """S [B, Hk, N, D^2, E] bf16: S[(i, j)] = sum over the rows r of the chunk and the heads
     of a group of col[i, r] xt[j, r] a[r].
 
-    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] float32;
+    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
     of TILE_ROWS, D = DIM.
     """
@@ -142,7 +143,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
 
             ring.fill(steps, sources)
 
-    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), F32, False), tile(e)], stages)
+    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
     return launch(
         kernel, name="sympow_states_rows_to_state",
         out_type=jax.ShapeDtypeStruct((b, kv_heads, n, d * d, e), BF16),
@@ -156,23 +157,44 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
     out_r = sum_i col[i, r] rows_r S_i^T.
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
-    [B, Hx, N, D, C] float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv head
-    h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
+    [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
+    head h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
     stages: ring slots (default: as many as fit in shared memory).
     """
+    return _state_to_rows(rows, col, s, None, transposed=transposed, stages=stages)
+
+
+def row_gradients(a, x, col, s, *, stages: int | None = None):
+    """(dx [B, Hx, N, C, D] bf16, dls [B, Hx, N, C] float32): the row gradients of
+    sum_r phi(u_r) . (S a_r) with u = x e^ls, col = x^T e^(2 ls): dx_r = 2 sum_j col[j, r]
+    a_r S_j^T (the transposed `state_to_rows`, doubled by the symmetry of S) and
+    dls_r = sum_j dx_rj x_rj, both from the float32 accumulator in the kernel's epilogue (one
+    read of dx less, and dx leaves in bf16).
+
+    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s as `state_to_rows`.
+    """
+    return _state_to_rows(a, col, s, x, transposed=True, stages=stages)
+
+
+def _state_to_rows(rows, col, s, x, *, transposed: bool, stages: int | None):
+    """`state_to_rows`, or with x given (transposed) `row_gradients`."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
     hk, e = s.shape[1], s.shape[-1]
     groups, width = hx // hk, d if transposed else e
+    gradient = x is not None
     # 64-row blocks per warpgroup: two share each S_i read (half the traffic per product)
     # where their shared memory fits (E = 64: 192 KiB with the ring).
     sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
     rows_per_wg = sub * ROWS
     per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their products
     stages = stages or (3 if e == min(WIDTHS) else 2)  # what fits next to the own blocks
+    inputs = (rows, col, s, x) if gradient else (rows, col, s)
 
-    def kernel(rows_ref, col_ref, s_ref, out_ref, own, own_bars, ring_arrays, ring_loaded,
-               ring_freed, out):
+    def kernel(*refs):
+        (rows_ref, col_ref, s_ref, *x_ref), refs = refs[:len(inputs)], refs[len(inputs):]
+        (*out_refs, own, own_bars, ring_arrays, ring_loaded, ring_freed), outs = (
+            refs[:-len(out_scratch)], refs[-len(out_scratch):])
         ring = Ring(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
@@ -181,9 +203,11 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            rows_smem, col_smem = own
+            rows_smem, col_smem, *x_smem = own
             load_own([(rows_ref.at[bi, h, chunk, mine], rows_smem),
-                      (col_ref.at[bi, h, chunk, :, mine], col_smem)], wg, own_bars)
+                      (col_ref.at[bi, h, chunk, :, mine], col_smem),
+                      *((ref.at[bi, h, chunk, mine], buf) for ref, buf in zip(
+                          x_ref, x_smem, strict=True))], wg, own_bars)
             blocks = [pl.ds(k * ROWS, ROWS) for k in range(sub)]
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
@@ -209,9 +233,15 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
             accs = pl.run_scoped(accumulate_all,
                                  *(plgpu.ACC((ROWS, width), F32) for _ in range(sub)))
             for r, acc in zip(blocks, accs, strict=True):
-                out.at[wg, r][...] = acc
+                if gradient:  # [ROWS, D]: dx = 2 acc, dls its row sums against x
+                    dx = 2.0 * acc
+                    rows_x = plgpu.load(x_smem[0].at[wg, r], (), layout=WGMMA).astype(F32)
+                    outs[1].at[wg, r][...] = jnp.sum(dx * rows_x, axis=1)
+                    acc = dx.astype(BF16)
+                outs[0].at[wg, r][...] = acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out.at[wg], out_ref.at[bi, h, chunk, mine])
+            for buf, out_ref in zip(outs, out_refs, strict=True):
+                plgpu.copy_smem_to_gmem(buf.at[wg], out_ref.at[bi, h, chunk, mine])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -221,15 +251,22 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
             ring.fill(d // per_step, lambda step: (
                 s_ref.at[bi, kv, chunk, pl.ds(step * per_step * d, per_step * d)],))
 
-    own = own_scratch(((rows_per_wg, w), BF16, True), ((d, rows_per_wg), F32, False))
+    own = own_scratch(((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False),
+                      *([((rows_per_wg, d), BF16, True)] if gradient else []))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
-    return launch(
-        kernel, name="sympow_states_state_to_rows",
-        out_type=jax.ShapeDtypeStruct((b, hx, n, c, width), F32),
-        scratch=(own, own_bars, *ring, swizzled((COMPUTE_WGS, rows_per_wg, width), F32)),
+    out_dtype = BF16 if gradient else F32
+    out_type = [jax.ShapeDtypeStruct((b, hx, n, c, width), out_dtype)]
+    out_scratch = [swizzled((COMPUTE_WGS, rows_per_wg, width), out_dtype)]
+    if gradient:
+        out_type.append(jax.ShapeDtypeStruct((b, hx, n, c), F32))
+        out_scratch += own_scratch(((rows_per_wg,), F32, False))
+    result = launch(
+        kernel, name="sympow_states_row_gradients" if gradient else "sympow_states_state_to_rows",
+        out_type=out_type, scratch=(own, own_bars, *ring, *out_scratch),
         grid=(c // (COMPUTE_WGS * rows_per_wg), n, b * hx), grid_names=("tile", "chunk", "bh"),
-        args=(rows, col, s))
+        args=inputs)
+    return tuple(result) if gradient else result[0]
 
 
 # The same functions in plain JAX (float32, exact products): the specification the GPU
@@ -238,9 +275,15 @@ def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
 def rows_to_state_reference(xt, col, a, *, kv_heads: int):
     b, hx, n, d, c = xt.shape
     grouped = lambda x: x.reshape(b, kv_heads, hx // kv_heads, *x.shape[2:])  # noqa: E731
-    s = jnp.einsum("bhgnir,bhgnjr,bhgnre->bhnije", grouped(col), grouped(xt.astype(F32)),
+    s = jnp.einsum("bhgnir,bhgnjr,bhgnre->bhnije", grouped(col.astype(F32)),
+                   grouped(xt.astype(F32)),
                    grouped(a.astype(F32)), precision=lax.Precision.HIGHEST)
     return s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
+
+
+def row_gradients_reference(a, x, col, s):
+    dx = 2.0 * state_to_rows_reference(a, col, s, transposed=True)
+    return dx.astype(BF16), jnp.sum(dx * x.astype(F32), axis=-1)
 
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool):
@@ -248,4 +291,5 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool):
     d, hk = col.shape[-2], s.shape[1]
     blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
     spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
-    return jnp.einsum(spec, rows.astype(F32), col, blocks, precision=lax.Precision.HIGHEST)
+    return jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
+                      precision=lax.Precision.HIGHEST)

@@ -10,7 +10,8 @@ work, each a `jax.custom_vjp` whose forward and backward are the Mosaic GPU kern
   of `state_of_rows` the cotangent of a).
 
 The normalizer states z [B, Hk, N, d^2] and the normalizer phi(u) . z are float32 XLA
-(a [C, d] x [d, d] product per chunk), differentiated by XLA; the combine with the
+(a [C, d] x [d, d] product per chunk, on the tensor cores as bf16 parts:
+`NORMALIZER_ALGORITHM`), differentiated by XLA; the combine with the
 intra-chunk (o, den, m) is `chunked.combine`. The prefix sum is the portable tier's kernel
 (it sees only F). The final state leaves in the tile=1 symmetric layout every tier returns,
 each feature the mean of (i, j) and its mirror (j, i): both hold the same sum, and the mean
@@ -28,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
@@ -36,10 +38,17 @@ from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
 from sympow.attention.pallas.primitives import pad_to
-from sympow.numerics import HIGHEST
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = 2  # the square layout is phi for p = 2
+# The normalizer products' algorithm (a `lax.DotAlgorithmPreset` name, or a
+# `lax.Precision` one): each float32 operand as three bf16 parts, six tensor-core products,
+# float32-accurate. XLA runs Precision.HIGHEST as float32 SIMT GEMMs: 0.88 ms of the 8.2
+# busy ms of the T = 65,536, H = 8 call on an H100 (docs/kernels.md).
+NORMALIZER_ALGORITHM = "BF16_BF16_F32_X6"
+# col's dtype in device memory: the kernels round it to bf16 where the tensor cores take
+# it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
+COLUMNS_DTYPE = "bfloat16"
 
 
 def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str | None:
@@ -69,8 +78,15 @@ def is_square(f: int, p: int) -> bool:
 
 
 def columns(x, ls):
-    """col = x^T e^(2 ls) [B, H, N, d, C] float32: u_ri u_rj = col_ir x_rj."""
-    return jnp.swapaxes(x.astype(F32) * jnp.exp(P * ls)[..., None], -1, -2)
+    """col = x^T e^(2 ls) [B, H, N, d, C] in COLUMNS_DTYPE: u_ri u_rj = col_ir x_rj."""
+    col = jnp.swapaxes(x.astype(F32) * jnp.exp(P * ls)[..., None], -1, -2)
+    return col.astype(COLUMNS_DTYPE)
+
+
+def normalizer_precision():
+    """NORMALIZER_ALGORITHM as the `precision` of an einsum."""
+    preset = getattr(lax.DotAlgorithmPreset, NORMALIZER_ALGORITHM, None)
+    return preset if preset is not None else lax.Precision[NORMALIZER_ALGORITHM]
 
 
 def _kernel_width(e: int) -> int:
@@ -92,8 +108,7 @@ def _state_of_rows_fwd(x, ls, a, kv_heads):
 
 def _row_gradients(x, ls, rows, s):
     """(dx, dls) of sum_r phi(u_r) . (S rows_r): dx = 2 sum_j col_jr rows_r S_j^T."""
-    dx = 2.0 * state_kernels.state_to_rows(rows, columns(x, ls), s, transposed=True)
-    return dx.astype(x.dtype), jnp.sum(dx * x.astype(F32), axis=-1)
+    return state_kernels.row_gradients(rows, x, columns(x, ls), s)
 
 
 def _state_of_rows_bwd(kv_heads, res, ds):
@@ -130,7 +145,7 @@ rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
 def _normalizer_state(k, ls):
     """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r)."""
     u = k.astype(F32) * jnp.exp(ls)[..., None]
-    z = jnp.einsum("bhnci,bhncj->bhnij", u, u, precision=HIGHEST)
+    z = jnp.einsum("bhnci,bhncj->bhnij", u, u, precision=normalizer_precision())
     return z.reshape(*z.shape[:3], -1)
 
 
@@ -172,5 +187,5 @@ def query_state(q, s_in, z_in, g, o, den, m):
     num = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)))[..., :e]
     u = q.astype(F32) * jnp.exp(ls)[..., None]
     zq = jnp.einsum("bhnci,bhnij->bhncj", u, per_query_head(z_in.reshape(b, hk, n, d, d)),
-                    precision=HIGHEST)
+                    precision=normalizer_precision())
     return chunked.combine(o, den, m, num, jnp.sum(zq * u, axis=-1))

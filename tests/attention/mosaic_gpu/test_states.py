@@ -43,29 +43,48 @@ def definitions(monkeypatch):
     """The kernels' definitions in their place, and every problem taken as supported."""
     monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "state_to_rows", state_kernels.state_to_rows_reference)
+    monkeypatch.setattr(state_kernels, "row_gradients", state_kernels.row_gradients_reference)
     monkeypatch.setattr(states, "unsupported", lambda *_: None)
 
 
-@pytest.mark.parametrize(("hq", "hk", "e"), [(2, 2, 64), (4, 2, 128)])
-def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e):
+@pytest.mark.parametrize(("hq", "hk", "e", "col_dtype"), [(2, 2, 64, BF16), (4, 2, 128, BF16),
+                                                        (2, 2, 64, F32)])
+def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e, col_dtype):
     b, n, c = 1, 2, 256
     rows = lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk),
-                   ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), F32), ((b, hq, n, c, e), BF16))
+                   ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), col_dtype),
+                   ((b, hq, n, c, e), BF16))
     assert rows.count("@mosaic_gpu") == 1
     assert f"tensor<{b}x{hk}x{n}x{D * D}x{e}xbf16>" in rows
     for transposed, (width, out) in ((False, (D, e)), (True, (e, D))):
         text = lowered(lambda *x, t=transposed: state_kernels.state_to_rows(*x, transposed=t),
-                       ((b, hq, n, c, width), BF16), ((b, hq, n, D, c), F32),
+                       ((b, hq, n, c, width), BF16), ((b, hq, n, D, c), col_dtype),
                        ((b, hk, n, D * D, e), BF16))
         assert text.count("@mosaic_gpu") == 1
         assert f"tensor<{b}x{hq}x{n}x{c}x{out}xf32>" in text
+    grads = lowered(state_kernels.row_gradients, ((b, hq, n, c, e), BF16),
+                    ((b, hq, n, c, D), BF16), ((b, hq, n, D, c), col_dtype),
+                    ((b, hk, n, D * D, e), BF16))
+    assert grads.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>" in grads
 
 
-def test_the_definitions_are_the_products_with_phi(rng):
+def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
+    x = jnp.asarray(rng.normal(size=(1, 2, 3, 8, D)), BF16)
+    ls = jnp.asarray(rng.uniform(-2.0, 0.0, size=(1, 2, 3, 8)), F32)
+    col = states.columns(x, ls)
+    assert col.dtype == BF16 and col.shape == (1, 2, 3, D, 8)
+    want = np.swapaxes(np.asarray(x, np.float64) * np.exp(2.0 * np.asarray(ls, np.float64))[
+        ..., None], -1, -2)
+    np.testing.assert_allclose(np.asarray(col, np.float64), want, rtol=2 ** -8, atol=0)
+
+
+def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
     b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
+    monkeypatch.setattr(states, "COLUMNS_DTYPE", "float32")  # the definitions are exact
     col = states.columns(x, ls)
     u = x * jnp.exp(ls)[..., None]
     per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
@@ -82,6 +101,12 @@ def test_the_definitions_are_the_products_with_phi(rng):
     grad = jax.grad(lambda x: jnp.sum(phi(x * jnp.exp(ls)[..., None])
                                       * jnp.einsum("bhnfe,bhnce->bhncf", s_q, a, precision=hi)))
     assert testing.rel_err(2 * g, grad(x)) < 1e-5
+    # row_gradients: that gradient in bf16 and its row sums against x (the ls cotangent)
+    dx, dls = state_kernels.row_gradients_reference(a, x, col, s)
+    assert dx.dtype == BF16 and testing.rel_err(dx.astype(F32), grad(x)) < 2 ** -8
+    grad_ls = jax.grad(lambda ls: jnp.sum(phi(x * jnp.exp(ls)[..., None]) * jnp.einsum(
+        "bhnfe,bhnce->bhncf", s_q, a, precision=hi)))(ls)
+    assert testing.rel_err(dls, grad_ls) < 1e-5
 
 
 def _symmetric_state(rng, b, hk, n, e):
