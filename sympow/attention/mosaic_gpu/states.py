@@ -142,10 +142,16 @@ def _rows_of_state_bwd(res, dy):
 rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
 
 
+# The normalizer products take the bf16 rows themselves (exact in float32) with the scale
+# e^(2 ls) outside the product, not u = x e^ls: XLA then reads x in its chunk layout, where
+# a float32 u was written once more beside col, in col's transposed layout, and every
+# product and gradient sum after it followed that layout.
+
 def _normalizer_state(k, ls):
-    """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r)."""
-    u = k.astype(F32) * jnp.exp(ls)[..., None]
-    z = jnp.einsum("bhnci,bhncj->bhnij", u, u, precision=normalizer_precision())
+    """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r) = sum_r e^(2 ls_r) k_r k_r^T."""
+    x = k.astype(F32)
+    z = jnp.einsum("bhnci,bhncj->bhnij", x * jnp.exp(P * ls)[..., None], x,
+                   precision=normalizer_precision())
     return z.reshape(*z.shape[:3], -1)
 
 
@@ -185,7 +191,7 @@ def query_state(q, s_in, z_in, g, o, den, m):
     per_query_head = lambda x: jnp.repeat(x, hq // hk, axis=1)  # noqa: E731
     ls = per_query_head(g / P)
     num = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)))[..., :e]
-    u = q.astype(F32) * jnp.exp(ls)[..., None]
-    zq = jnp.einsum("bhnci,bhnij->bhncj", u, per_query_head(z_in.reshape(b, hk, n, d, d)),
-                    precision=normalizer_precision())
-    return chunked.combine(o, den, m, num, jnp.sum(zq * u, axis=-1))
+    x = q.astype(F32)
+    xz = jnp.einsum("bhnci,bhnij->bhncj", x, per_query_head(z_in.reshape(b, hk, n, d, d)),
+                    precision=normalizer_precision())  # phi(u) . z = e^(2 ls) x^T z x
+    return chunked.combine(o, den, m, num, jnp.exp(P * ls) * jnp.sum(xz * x, axis=-1))
