@@ -143,9 +143,9 @@ rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
 
 
 # The normalizer products take the bf16 rows themselves (exact in float32) with the scale
-# e^(2 ls) outside the product, not u = x e^ls: XLA then reads x in its chunk layout, where
-# a float32 u was written once more beside col, in col's transposed layout, and every
-# product and gradient sum after it followed that layout.
+# e^(2 ls) outside the product, not u = x e^ls: XLA then reads bf16 rows already in device
+# memory (on an H100 the x^T that rows_to_state reads), where it wrote a float32 u beside
+# col, in col's transposed layout, and ran every product and gradient sum on that copy.
 
 def _normalizer_state(k, ls):
     """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r) = sum_r e^(2 ls_r) k_r k_r^T."""
