@@ -30,7 +30,9 @@ def make_read_only():
             pytest.skip("root without a mount command: cannot make a read-only directory")
         if mounted.returncode != 0:
             pytest.skip(f"root may not mount a read-only tmpfs: {mounted.stderr.strip()}")
-        undo.append(lambda: subprocess.run(["umount", str(path)], check=True))
+        # Lazily: a checkpointer's background thread may still hold the directory open at
+        # teardown, and a plain umount then fails with "target is busy" (seen once in CI).
+        undo.append(lambda: subprocess.run(["umount", "-l", str(path)], check=True))
         return path
 
     yield make
