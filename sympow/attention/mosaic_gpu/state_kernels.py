@@ -10,7 +10,9 @@ selection products):
 * `rows_to_state`:  S_i = sum_r u_ri u_r a_r^T = sum_r (x^T diag(col_i))[:, r] a_r
   (rows -> state: the update_state forward, a state's cotangent);
 * `state_to_rows`:  y_r = sum_i col_ir (x_r S_i)        = phi(u_r) S          (state -> rows)
-  and, transposed, g_r = sum_j col_jr (a_r S_j^T)      (half the row gradient of phi(u) . S a).
+  and, transposed, g_r = sum_j col_jr (a_r S_j^T)      (half the row gradient of phi(u) . S a);
+* `row_gradients`: the transposed product as the backward uses it, dx = 2 g in bf16 and
+  dls_r = sum_j dx_rj x_rj from the float32 accumulator.
 
 with x the raw rows (keys or queries, bf16), u = x e^ls their scaled values and
 col = x^T e^(2 ls) [D, C], so u_ri u_rj = col_ir x_rj. The operand is a bf16 product: col
