@@ -7,8 +7,9 @@
 (On 2026-11-24 neither profiler ran on the H100 machine: ncu crashed, nsys is absent;
 experiments/kernel_profile.py reads jax's own profiler instead.)
 
-One launch of each of rows_to_state, state_to_rows and state_to_rows transposed per
-repetition (bf16, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
+One launch of each of rows_to_state, state_to_rows and row_gradients (the transposed
+product as the backward runs it) per repetition (bf16, col in the tier's
+`states.COLUMNS_DTYPE`, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
 with --primitives, the tier's update_state and query_state, forward and backward, as
 jitted programs (their XLA glue included), for a per-kernel summary of each.
 """
@@ -69,6 +70,7 @@ def main(argv):
     import jax.numpy as jnp
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
+    from sympow.attention.mosaic_gpu import states
 
     d = e = sk.DIM
     n, c, h = _T.value // _CHUNK.value, _CHUNK.value, _HEADS.value
@@ -76,13 +78,13 @@ def main(argv):
     x = jax.random.normal(keys[0], (1, h, n, c, d), jnp.bfloat16) / 8
     a = jax.random.normal(keys[1], (1, h, n, c, e), jnp.bfloat16)
     s = jax.random.normal(keys[2], (1, h, n, d * d, e), jnp.bfloat16)
-    col, xt = jnp.swapaxes(x.astype(jnp.float32), -1, -2), jnp.swapaxes(x, -1, -2)
+    xt = jnp.swapaxes(x, -1, -2)
+    col = xt.astype(states.COLUMNS_DTYPE)  # ls = 0
     kernels = {
         "rows_to_state": (jax.jit(lambda *z: sk.rows_to_state(*z, kv_heads=h)), (xt, col, a)),
         "state_to_rows": (jax.jit(lambda *z: sk.state_to_rows(*z, transposed=False)),
                           (x, col, s)),
-        "state_to_rows_t": (jax.jit(lambda *z: sk.state_to_rows(*z, transposed=True)),
-                            (a, col, s)),
+        "row_gradients": (jax.jit(sk.row_gradients), (a, x, col, s)),
     }
     flop = 2 * h * _T.value * d * d * e
     for name, (fn, args) in kernels.items():
