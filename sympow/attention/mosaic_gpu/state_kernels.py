@@ -33,11 +33,15 @@ Every operand of a step is built before the step's products are issued (`product
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array
 
 from sympow.attention.mosaic_gpu.blocks import (
     COL_VECTOR,
@@ -63,6 +67,13 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
+# Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
+# barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
+SHARED_MEMORY = (227 - 4) * 1024
+
+
+def _bytes(shape, dtype) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
 def features_per_warpgroup(e: int) -> int:
@@ -154,62 +165,112 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
         args=(xt, col, a))
 
 
-def state_to_rows(rows, col, s, *, transposed: bool, stages: int | None = None):
+class Normalizer(NamedTuple):
+    """The normalizer's share of a `state_to_rows` or `row_gradients` call: per row the
+    quadratic form w_r x_r^T Z x_r (= phi(u_r) . z for w = e^(2 ls)), with
+
+    parts [B, Hk, N, 3 D, D] bf16: each chunk's symmetric float32 Z [D, D] as three bf16
+      parts stacked (`blocks.bf16_parts`, smallest first; read by query head h as kv head
+      h // (Hx / Hk)), so x Z on the tensor cores is float32-accurate for bf16 rows x;
+    weights [B, Hx, N, C] float32: w_r, applied to the float32 product.
+    """
+
+    parts: Array
+    weights: Array
+
+
+def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
+                  stages: int | None = None):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
-    out_r = sum_i col[i, r] rows_r S_i^T.
+    out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
+    den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
     head h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
     stages: ring slots (default: as many as fit in shared memory).
     """
-    return _state_to_rows(rows, col, s, None, transposed=transposed, stages=stages)
+    if normalizer is not None and transposed:
+        raise ValueError("normalizer: the quadratic form takes the rows x (transposed=False)")
+    return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages)
 
 
-def row_gradients(a, x, col, s, *, stages: int | None = None):
+def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
+                  stages: int | None = None):
     """(dx [B, Hx, N, C, D] bf16, dls [B, Hx, N, C] float32): the row gradients of
-    sum_r phi(u_r) . (S a_r) with u = x e^ls, col = x^T e^(2 ls): dx_r = 2 sum_j col[j, r]
-    a_r S_j^T (the transposed `state_to_rows`, doubled by the symmetry of S) and
-    dls_r = sum_j dx_rj x_rj, both from the float32 accumulator in the kernel's epilogue (one
-    read of dx less, and dx leaves in bf16).
+    sum_r phi(u_r) . (S a_r) (+ w_r x_r^T Z x_r with a `normalizer`) with u = x e^ls,
+    col = x^T e^(2 ls): dx_r = 2 sum_j col[j, r] a_r S_j^T (the transposed `state_to_rows`,
+    doubled by the symmetry of S) + 2 w_r Z x_r, and dls_r = sum_j dx_rj x_rj (the scale's
+    cotangent: both terms are homogeneous of degree 2 in u), all from float32 in the
+    kernel's epilogue (one read of dx less, and dx leaves in bf16).
 
     a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s as `state_to_rows`.
     """
-    return _state_to_rows(a, col, s, x, transposed=True, stages=stages)
+    return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages)
 
 
-def _state_to_rows(rows, col, s, x, *, transposed: bool, stages: int | None):
-    """`state_to_rows`, or with x given (transposed) `row_gradients`."""
+def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None):
+    """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
+    quadratic form of its Z against the rows x (three products with Z's parts per block of
+    rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
     hk, e = s.shape[1], s.shape[-1]
     groups, width = hx // hk, d if transposed else e
-    gradient = x is not None
+    gradient, quadratic = x is not None, normalizer is not None
     # 64-row blocks per warpgroup: two share each S_i read (half the traffic per product)
-    # where their shared memory fits (E = 64: 192 KiB with the ring).
+    # where their shared memory fits (E = 64: 202 KiB with the ring and Z's parts).
     sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
     rows_per_wg = sub * ROWS
     per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their products
-    stages = stages or (3 if e == min(WIDTHS) else 2)  # what fits next to the own blocks
-    inputs = (rows, col, s, x) if gradient else (rows, col, s)
+    inputs = (rows, col, s, *((x,) if gradient else ()),
+              *((normalizer.parts, normalizer.weights) if quadratic else ()))
+    own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False)]
+    own_specs += [((rows_per_wg, d), BF16, True)] if gradient else []
+    own_specs += [((rows_per_wg,), F32, False)] if quadratic else []  # the weights w
+    out_dtype = BF16 if gradient else F32
+    out_type = [jax.ShapeDtypeStruct((b, hx, n, c, width), out_dtype)]
+    out_scratch = [swizzled((COMPUTE_WGS, rows_per_wg, width), out_dtype)]
+    if gradient or quadratic:  # dls, or den: one float32 per row
+        out_type.append(jax.ShapeDtypeStruct((b, hx, n, c), F32))
+        out_scratch += own_scratch(((rows_per_wg,), F32, False))
+    # Z's parts: one copy per program (both warpgroups read the same chunk's), fetched by
+    # the memory warpgroup before the ring.
+    parts_scratch = ([swizzled((3 * d, d), BF16), plgpu.Barrier(num_barriers=1)]
+                     if quadratic else [])
+    # Ring slots: as many as fit (up to 3) beside the own blocks, the outputs and Z's parts.
+    per_wg_blocks = [(shape, dtype) for shape, dtype, _ in own_specs]
+    per_wg_blocks += [((rows_per_wg, width), out_dtype)] + [((rows_per_wg,), F32)] * (
+        len(out_type) - 1)
+    fixed = sum(COMPUTE_WGS * _bytes(*block) for block in per_wg_blocks) + (
+        _bytes((3 * d, d), BF16) if quadratic else 0)
+    stages = stages or min(3, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
 
     def kernel(*refs):
-        (rows_ref, col_ref, s_ref, *x_ref), refs = refs[:len(inputs)], refs[len(inputs):]
-        (*out_refs, own, own_bars, ring_arrays, ring_loaded, ring_freed), outs = (
-            refs[:-len(out_scratch)], refs[-len(out_scratch):])
+        refs = list(refs)
+        rows_ref, col_ref, s_ref = refs[:3]
+        x_ref = refs[3] if gradient else None
+        parts_ref, weights_ref = refs[3 + gradient:5 + gradient] if quadratic else (None, None)
+        out_refs = refs[len(inputs):len(inputs) + len(out_type)]
+        own, own_bars, ring_arrays, ring_loaded, ring_freed, *rest = refs[
+            len(inputs) + len(out_type):]
+        parts_smem, parts_bar = rest[:2] if quadratic else (None, None)
+        outs = rest[len(parts_scratch):]
         ring = Ring(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
+        kv = lax.div(h, groups)
         mine = pl.ds((lax.axis_index("tile") * COMPUTE_WGS + wg) * rows_per_wg, rows_per_wg)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            rows_smem, col_smem, *x_smem = own
-            load_own([(rows_ref.at[bi, h, chunk, mine], rows_smem),
-                      (col_ref.at[bi, h, chunk, :, mine], col_smem),
-                      *((ref.at[bi, h, chunk, mine], buf) for ref, buf in zip(
-                          x_ref, x_smem, strict=True))], wg, own_bars)
+            rows_smem, col_smem = own[:2]
+            x_smem = own[2] if gradient else rows_smem  # the rows of the quadratic form
+            sources = [rows_ref.at[bi, h, chunk, mine], col_ref.at[bi, h, chunk, :, mine]]
+            sources += [x_ref.at[bi, h, chunk, mine]] if gradient else []
+            sources += [weights_ref.at[bi, h, chunk, mine]] if quadratic else []
+            load_own(list(zip(sources, own, strict=True)), wg, own_bars)
             blocks = [pl.ds(k * ROWS, ROWS) for k in range(sub)]
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
@@ -234,12 +295,20 @@ def _state_to_rows(rows, col, s, x, *, transposed: bool, stages: int | None):
 
             accs = pl.run_scoped(accumulate_all,
                                  *(plgpu.ACC((ROWS, width), F32) for _ in range(sub)))
+            if quadratic:
+                plgpu.barrier_wait(parts_bar.at[0])
             for r, acc in zip(blocks, accs, strict=True):
-                if gradient:  # [ROWS, D]: dx = 2 acc, dls its row sums against x
-                    dx = 2.0 * acc
-                    rows_x = plgpu.load(x_smem[0].at[wg, r], (), layout=WGMMA).astype(F32)
+                if quadratic:  # x Z [ROWS, D] and the rows' weights
+                    xz = quadratic_product(x_smem.at[wg, r], parts_smem)
+                    weights = plgpu.load(own[-1].at[wg, r], (), layout=ROW_VECTOR)
+                if gradient:  # [ROWS, D]: dx = 2 (acc + w x Z), dls its row sums against x
+                    dx = 2.0 * (acc + by_rows(weights, acc.shape) * xz if quadratic else acc)
+                    rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)
                     outs[1].at[wg, r][...] = jnp.sum(dx * rows_x, axis=1)
                     acc = dx.astype(BF16)
+                elif quadratic:  # den = w x^T Z x
+                    rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)
+                    outs[1].at[wg, r][...] = weights * jnp.sum(xz * rows_x, axis=1)
                 outs[0].at[wg, r][...] = acc
             plgpu.commit_smem()
             for buf, out_ref in zip(outs, out_refs, strict=True):
@@ -249,26 +318,35 @@ def _state_to_rows(rows, col, s, x, *, transposed: bool, stages: int | None):
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv = lax.div(h, groups)
+            if quadratic:
+                plgpu.copy_gmem_to_smem(parts_ref.at[bi, kv, chunk], parts_smem, parts_bar.at[0])
             ring.fill(d // per_step, lambda step: (
                 s_ref.at[bi, kv, chunk, pl.ds(step * per_step * d, per_step * d)],))
 
-    own = own_scratch(((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False),
-                      *([((rows_per_wg, d), BF16, True)] if gradient else []))
+    own = own_scratch(*own_specs)
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
-    out_dtype = BF16 if gradient else F32
-    out_type = [jax.ShapeDtypeStruct((b, hx, n, c, width), out_dtype)]
-    out_scratch = [swizzled((COMPUTE_WGS, rows_per_wg, width), out_dtype)]
-    if gradient:
-        out_type.append(jax.ShapeDtypeStruct((b, hx, n, c), F32))
-        out_scratch += own_scratch(((rows_per_wg,), F32, False))
+    name = "row_gradients" if gradient else "state_to_rows"
     result = launch(
-        kernel, name="sympow_states_row_gradients" if gradient else "sympow_states_state_to_rows",
-        out_type=out_type, scratch=(own, own_bars, *ring, *out_scratch),
+        kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",
+        out_type=out_type, scratch=(own, own_bars, *ring, *parts_scratch, *out_scratch),
         grid=(c // (COMPUTE_WGS * rows_per_wg), n, b * hx), grid_names=("tile", "chunk", "bh"),
         args=inputs)
-    return tuple(result) if gradient else result[0]
+    return tuple(result) if len(out_type) > 1 else result[0]
+
+
+def quadratic_product(x_smem, parts_smem):
+    """x Z (float32 [ROWS, D], wgmma layout) for a block of bf16 rows x [ROWS, D] and Z's
+    three bf16 parts [3 D, D], both in shared memory: exact products, float32 sums, the
+    smallest part first."""
+    d = x_smem.shape[-1]
+
+    def product(acc_ref):
+        for part in range(3):
+            plgpu.wgmma(acc_ref, x_smem, parts_smem.at[pl.ds(part * d, d)])
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((ROWS, d), F32))
 
 
 # The same functions in plain JAX (float32, exact products): the specification the GPU
@@ -283,15 +361,32 @@ def rows_to_state_reference(xt, col, a, *, kv_heads: int):
     return s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
 
 
-def row_gradients_reference(a, x, col, s):
-    dx = 2.0 * state_to_rows_reference(a, col, s, transposed=True)
+def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None):
+    g = state_to_rows_reference(a, col, s, transposed=True)
+    if normalizer is not None:
+        g = g + normalizer.weights[..., None] * quadratic_product_reference(x, normalizer)
+    dx = 2.0 * g
     return dx.astype(BF16), jnp.sum(dx * x.astype(F32), axis=-1)
 
 
-def state_to_rows_reference(rows, col, s, *, transposed: bool):
+def state_to_rows_reference(rows, col, s, *, transposed: bool,
+                            normalizer: Normalizer | None = None):
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
     spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
-    return jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
-                      precision=lax.Precision.HIGHEST)
+    out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
+                     precision=lax.Precision.HIGHEST)
+    if normalizer is None:
+        return out
+    xz = quadratic_product_reference(rows, normalizer)
+    return out, normalizer.weights * jnp.sum(xz * rows.astype(F32), axis=-1)
+
+
+def quadratic_product_reference(x, normalizer: Normalizer):
+    """x Z [B, Hx, N, C, D] float32 for rows x [B, Hx, N, C, D] and Z the sum of the parts."""
+    parts = normalizer.parts.astype(F32)
+    b, hk, n, three_d, d = parts.shape
+    z = parts.reshape(b, hk, n, 3, d, d).sum(axis=3)
+    z = jnp.repeat(z, x.shape[1] // hk, axis=1)
+    return jnp.einsum("bhnci,bhnij->bhncj", x.astype(F32), z, precision=lax.Precision.HIGHEST)

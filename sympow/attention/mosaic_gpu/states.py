@@ -4,18 +4,21 @@ update_state, prefix_sum and query_state of `ChunkPrimitives`, with states in th
 layout of `state_kernels` (F = d^2 features (i, j), weight 1). Two products carry all the
 work, each a `jax.custom_vjp` whose forward and backward are the Mosaic GPU kernels:
 
-* `state_of_rows(x, ls, a)`: S = sum_r phi(u_r) a_r^T, u = x e^ls (update_state's S, and in
-  the backward of `rows_of_state` the state cotangent);
-* `rows_of_state(x, ls, s)`: y_r = phi(u_r) S (query_state's numerator, and in the backward
-  of `state_of_rows` the cotangent of a).
+* `state_of_rows(x, ls, a)`: S = sum_r phi(u_r) a_r^T, u = x e^ls, and z = sum_r phi(u_r)
+  (update_state's states; in the backward of `rows_of_state` the state cotangent);
+* `rows_of_state(x, ls, s, z)`: y_r = phi(u_r) S and den_r = phi(u_r) . z (query_state's
+  numerator and normalizer; in the backward of `state_of_rows` the cotangent of a).
 
-The normalizer states z [B, Hk, N, d^2] and the normalizer phi(u) . z are float32 XLA
-(a [C, d] x [d, d] product per chunk, on the tensor cores as bf16 parts:
-`NORMALIZER_ALGORITHM`), differentiated by XLA; the combine with the
-intra-chunk (o, den, m) is `chunked.combine`. The prefix sum is the portable tier's kernel
-(it sees only F). The final state leaves in the tile=1 symmetric layout every tier returns,
-each feature the mean of (i, j) and its mirror (j, i): both hold the same sum, and the mean
-keeps the cotangent that comes back symmetric.
+The normalizer rides on the kernels as a quadratic form (p = 2: phi(u) . z = u^T Z u with Z
+the symmetric d x d block of z): `state_to_rows` returns den = e^(2 ls) x^T Z x beside y
+and `row_gradients` adds 2 w Z x to the row gradient, Z in three bf16 parts (float32-
+accurate products). Only the gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's
+z cotangent stay float32 XLA products (on the tensor cores as bf16 parts:
+`NORMALIZER_ALGORITHM`); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
+The prefix sum is the portable tier's kernel (it sees only F). The final state leaves in
+the tile=1 symmetric layout every tier returns, each feature the mean of (i, j) and its
+mirror (j, i): both hold the same sum, and the mean keeps the cotangent that comes back
+symmetric.
 
 Symmetry: every state and state cotangent here is symmetric in (i, j) (each is a sum of
 u (x) u terms, or a linear map of such sums), so the row gradients use the symmetric form
@@ -41,7 +44,7 @@ from sympow.attention.pallas.primitives import pad_to
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = 2  # the square layout is phi for p = 2
-# The normalizer products' algorithm (a `lax.DotAlgorithmPreset` name, or a
+# The gram sums' algorithm (a `lax.DotAlgorithmPreset` name, or a
 # `lax.Precision` one): each float32 operand as three bf16 parts, six tensor-core products,
 # float32-accurate. XLA runs Precision.HIGHEST as float32 SIMT GEMMs: 0.88 ms of the 8.2
 # busy ms of the T = 65,536, H = 8 call on an H100 (docs/kernels.md).
@@ -95,72 +98,90 @@ def _kernel_width(e: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def state_of_rows(x, ls, a, kv_heads: int):
-    """S [B, Hk, N, d^2, E] bf16 = sum over rows and group heads of phi(x e^ls) a^T, for
-    x [B, Hx, N, C, d] bf16, ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16."""
+    """(S [B, Hk, N, d^2, E] bf16, z [B, Hk, N, d^2] float32): the sums over the rows and
+    the group heads of phi(u) a^T and of phi(u), u = x e^ls, for x [B, Hx, N, C, d] bf16,
+    ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16."""
     return _state_of_rows_fwd(x, ls, a, kv_heads)[0]
 
 
 def _state_of_rows_fwd(x, ls, a, kv_heads):
     s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
                                     kv_heads=kv_heads)
-    return s, (x, ls, a)
+    return (s, _weighted_gram(x, jnp.exp(P * ls), kv_heads)), (x, ls, a)
 
 
-def _row_gradients(x, ls, rows, s):
-    """(dx, dls) of sum_r phi(u_r) . (S rows_r): dx = 2 sum_j col_jr rows_r S_j^T."""
-    return state_kernels.row_gradients(rows, x, columns(x, ls), s)
-
-
-def _state_of_rows_bwd(kv_heads, res, ds):
+def _state_of_rows_bwd(kv_heads, res, cotangents):
     x, ls, a = res
+    ds, dz = cotangents
     ds = ds.astype(BF16)
-    da = state_kernels.state_to_rows(x, columns(x, ls), ds, transposed=False)
-    return (*_row_gradients(x, ls, a, ds), da.astype(a.dtype))
+    col = columns(x, ls)
+    da = state_kernels.state_to_rows(x, col, ds, transposed=False)
+    # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
+    dx, dls = state_kernels.row_gradients(
+        a, x, col, ds, normalizer=state_kernels.Normalizer(z_parts(dz), jnp.exp(P * ls)))
+    return dx, dls, da.astype(a.dtype)
 
 
 state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
 
 
 @jax.custom_vjp
-def rows_of_state(x, ls, s):
-    """y [B, Hx, N, C, E] float32 = phi(x e^ls) S, S of kv head h // (Hx / Hk)."""
-    return _rows_of_state_fwd(x, ls, s)[0]
+def rows_of_state(x, ls, s, z):
+    """(y [B, Hx, N, C, E] float32 = phi(u) S, den [B, Hx, N, C] float32 = phi(u) . z), u =
+    x e^ls, with S [B, Hk, N, d^2, E] bf16 and z [B, Hk, N, d^2] float32 of kv head
+    h // (Hx / Hk)."""
+    return _rows_of_state_fwd(x, ls, s, z)[0]
 
 
-def _rows_of_state_fwd(x, ls, s):
-    return state_kernels.state_to_rows(x, columns(x, ls), s, transposed=False), (x, ls, s)
+def _rows_of_state_fwd(x, ls, s, z):
+    parts = z_parts(z)
+    out = state_kernels.state_to_rows(
+        x, columns(x, ls), s, transposed=False,
+        normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
+    return out, (x, ls, s, parts)
 
 
-def _rows_of_state_bwd(res, dy):
-    x, ls, s = res
+def _rows_of_state_bwd(res, cotangents):
+    x, ls, s, parts = res
+    dy, dden = cotangents
     dy = dy.astype(BF16)
-    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), dy,
-                                     kv_heads=s.shape[1])
-    return (*_row_gradients(x, ls, dy, s), ds.astype(s.dtype))
+    col, kv_heads = columns(x, ls), s.shape[1]
+    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads)
+    weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
+    dx, dls = state_kernels.row_gradients(
+        dy, x, col, s, normalizer=state_kernels.Normalizer(parts, weights))
+    return dx, dls, ds.astype(s.dtype), _weighted_gram(x, weights, kv_heads)
 
 
 rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
 
 
-# The normalizer products take the bf16 rows themselves (exact in float32) with the scale
-# e^(2 ls) outside the product, not u = x e^ls: XLA then reads bf16 rows already in device
-# memory (on an H100 the x^T that rows_to_state reads), where it wrote a float32 u beside
-# col, in col's transposed layout, and ran every product and gradient sum on that copy.
+def z_parts(z):
+    """z [B, Hk, N, d^2] float32 (a symmetric d x d block per chunk) as the three bf16
+    parts `state_kernels.Normalizer` takes, stacked [B, Hk, N, 3 d, d], smallest first."""
+    blocks_ = z.reshape(*z.shape[:-1], state_kernels.DIM, state_kernels.DIM)
+    return jnp.concatenate(blocks.bf16_parts(blocks_), axis=-2)
 
-def _normalizer_state(k, ls):
-    """z [B, Hk, N, d^2] float32 = sum_r phi(k_r e^ls_r) = sum_r e^(2 ls_r) k_r k_r^T."""
-    x = k.astype(F32)
-    z = jnp.einsum("bhnci,bhncj->bhnij", x * jnp.exp(P * ls)[..., None], x,
+
+def _weighted_gram(x, weights, kv_heads: int):
+    """[B, Hk, N, d^2] float32: sum over the rows r and the heads of a group of
+    w_r x_r x_r^T (= sum_r phi(u_r) for w = e^(2 ls)), on the tensor cores as bf16 parts
+    (`NORMALIZER_ALGORITHM`). The bf16 rows themselves (exact in float32) with the scale
+    outside the product, not u = x e^ls: XLA then reads bf16 rows already in device memory
+    (the x^T rows_to_state reads), where it wrote a float32 u beside col and ran every
+    product on that copy."""
+    x = x.astype(F32)
+    g = jnp.einsum("bhnci,bhncj->bhnij", x * weights[..., None], x,
                    precision=normalizer_precision())
-    return z.reshape(*z.shape[:3], -1)
+    b, hx, n = g.shape[:3]
+    return g.reshape(b, kv_heads, hx // kv_heads, n, -1).sum(axis=2)
 
 
 def update_state(k, v, tail):
     """`ChunkPrimitives.update_state` in the square layout (p = 2)."""
     e = v.shape[-1]
-    ls = tail / P
-    s = state_of_rows(k, ls, pad_to(v, -1, _kernel_width(e)), k.shape[1])
-    return s[..., :e], _normalizer_state(k, ls)
+    s, z = state_of_rows(k, tail / P, pad_to(v, -1, _kernel_width(e)), k.shape[1])
+    return s[..., :e], z
 
 
 @functools.lru_cache(maxsize=4)
@@ -186,12 +207,7 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
 
 def query_state(q, s_in, z_in, g, o, den, m):
     """`ChunkPrimitives.query_state` in the square layout (p = 2)."""
-    b, hq, n, c, d = q.shape
-    hk, e = g.shape[1], s_in.shape[-1]
-    per_query_head = lambda x: jnp.repeat(x, hq // hk, axis=1)  # noqa: E731
-    ls = per_query_head(g / P)
-    num = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)))[..., :e]
-    x = q.astype(F32)
-    xz = jnp.einsum("bhnci,bhnij->bhncj", x, per_query_head(z_in.reshape(b, hk, n, d, d)),
-                    precision=normalizer_precision())  # phi(u) . z = e^(2 ls) x^T z x
-    return chunked.combine(o, den, m, num, jnp.exp(P * ls) * jnp.sum(xz * x, axis=-1))
+    hq, hk, e = q.shape[1], g.shape[1], s_in.shape[-1]
+    ls = jnp.repeat(g / P, hq // hk, axis=1)  # per query head
+    num, inter_den = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)), z_in)
+    return chunked.combine(o, den, m, num[..., :e], inter_den)

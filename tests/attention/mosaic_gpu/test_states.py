@@ -67,6 +67,30 @@ def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e, col_dtype):
                     ((b, hk, n, D * D, e), BF16))
     assert grads.count("@mosaic_gpu") == 1
     assert f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>" in grads
+    # with the normalizer's quadratic form: Z's parts by kv head, a weight per row
+    normalizer = (((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32))
+    text = lowered(lambda x, col, s, *z: state_kernels.state_to_rows(
+        x, col, s, transposed=False, normalizer=state_kernels.Normalizer(*z)),
+        ((b, hq, n, c, D), BF16), ((b, hq, n, D, c), col_dtype), ((b, hk, n, D * D, e), BF16),
+        *normalizer)
+    assert text.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>, tensor<{b}x{hq}x{n}x{c}xf32>" in text
+    text = lowered(lambda a, x, col, s, *z: state_kernels.row_gradients(
+        a, x, col, s, normalizer=state_kernels.Normalizer(*z)),
+        ((b, hq, n, c, e), BF16), ((b, hq, n, c, D), BF16), ((b, hq, n, D, c), col_dtype),
+        ((b, hk, n, D * D, e), BF16), *normalizer)
+    assert text.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>" in text
+
+
+def test_the_quadratic_form_takes_the_rows_not_a_transposed_product():
+    x = jnp.zeros((1, 2, 1, 128, D), BF16)
+    normalizer = state_kernels.Normalizer(jnp.zeros((1, 2, 1, 3 * D, D), BF16),
+                                          jnp.zeros((1, 2, 1, 128), F32))
+    with pytest.raises(ValueError, match="normalizer: the quadratic form takes the rows x"):
+        state_kernels.state_to_rows(x, jnp.zeros((1, 2, 1, D, 128), BF16),
+                                    jnp.zeros((1, 2, 1, D * D, 64), BF16), transposed=True,
+                                    normalizer=normalizer)
 
 
 def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
@@ -115,6 +139,52 @@ def _symmetric_state(rng, b, hk, n, e):
                       jnp.asarray(rng.normal(size=(b, hk, n, 16, e)), F32)).astype(BF16)
 
 
+def _symmetric_normalizer(rng, b, hk, n):
+    """z [B, Hk, N, D^2] float32: a sum of phi of random rows, symmetric in (i, j)."""
+    return jnp.sum(phi(jnp.asarray(rng.normal(size=(b, hk, n, 16, D)), F32)), axis=3)
+
+
+def test_the_parts_of_z_sum_to_z(rng):
+    z = _symmetric_normalizer(rng, 1, 2, 3) * jnp.exp(jnp.asarray(rng.normal(size=(D * D,)), F32))
+    parts = states.z_parts(z)
+    assert parts.dtype == BF16 and parts.shape == (1, 2, 3, 3 * D, D)
+    total = np.asarray(parts, np.float64).reshape(1, 2, 3, 3, D * D).sum(axis=3)
+    np.testing.assert_allclose(total, np.asarray(z, np.float64), rtol=2 ** -23, atol=0)
+
+
+def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
+    """den_r = w_r x_r^T Z x_r is c_r phi(u_r) . z for w = c e^(2 ls); row_gradients adds its
+    gradient (and its share of the ls cotangent) to the state's."""
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
+    ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
+    a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
+    factor = jnp.asarray(rng.normal(size=(b, hq, n, c)), F32)  # c_r: a cotangent, say
+    monkeypatch.setattr(states, "COLUMNS_DTYPE", "float32")  # the definitions are exact
+    col = states.columns(x, ls)
+    s = _symmetric_state(rng, b, hk, n, e).astype(F32)
+    z = _symmetric_normalizer(rng, b, hk, n)
+    normalizer = state_kernels.Normalizer(states.z_parts(z), factor * jnp.exp(2.0 * ls))
+    repeat = lambda y: jnp.repeat(y, hq // hk, axis=1)  # noqa: E731
+    hi = jax.lax.Precision.HIGHEST
+
+    def form(x, ls):  # sum_r phi(u_r) . (S a_r) + c_r phi(u_r) . z
+        f = phi(x * jnp.exp(ls)[..., None])
+        state = jnp.einsum("bhnfe,bhnce->bhncf", repeat(s), a, precision=hi)
+        return jnp.sum(f * state) + jnp.sum(factor * jnp.sum(f * repeat(z)[:, :, :, None], -1))
+
+    y, den = state_kernels.state_to_rows_reference(x, col, s, transposed=False,
+                                                   normalizer=normalizer)
+    want = factor * jnp.sum(phi(x * jnp.exp(ls)[..., None]) * repeat(z)[:, :, :, None], -1)
+    assert testing.rel_err(den, want) < 1e-6
+    assert testing.rel_err(y, state_kernels.state_to_rows_reference(
+        x, col, s, transposed=False)) == 0
+    dx, dls = state_kernels.row_gradients_reference(a, x, col, s, normalizer=normalizer)
+    grad_x, grad_ls = jax.grad(form, argnums=(0, 1))(x, ls)
+    assert testing.rel_err(dx.astype(F32), grad_x) < 2 ** -8  # dx leaves in bf16
+    assert testing.rel_err(dls, grad_ls) < 1e-5
+
+
 @pytest.mark.usefixtures("definitions")
 def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
     b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
@@ -122,6 +192,9 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), BF16)
     s = _symmetric_state(rng, b, hk, n, e)
+    z = _symmetric_normalizer(rng, b, hk, n)
+    repeat = lambda y: jnp.repeat(y, hq // hk, axis=1)  # noqa: E731
+    per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
 
     def by_autodiff(f, args, ct):
         return jax.vjp(f, *args)[1](ct)
@@ -130,21 +203,30 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
         for x_, y_ in zip(got, want, strict=True):
             assert testing.rel_err(x_.astype(F32), y_.astype(F32)) < 1e-2  # bf16 cotangents
 
-    def state_definition(x, ls, a):
-        return state_kernels.rows_to_state_reference(jnp.swapaxes(x, -1, -2),
-                                                     states.columns(x, ls), a, kv_heads=hk)
+    def state_definition(x, ls, a):  # (S, z) of the grouped rows
+        u = x.astype(F32) * jnp.exp(ls)[..., None]
+        return (state_kernels.rows_to_state_reference(
+            jnp.swapaxes(x, -1, -2), states.columns(x, ls), a, kv_heads=hk),
+            per_kv(jnp.sum(phi(u), axis=3)))
 
-    ds = _symmetric_state(rng, b, hk, n, e)  # the cotangents a state gets are symmetric
-    close(by_autodiff(lambda *z: states.state_of_rows(*z, hk), (x, ls, a), ds),
-          by_autodiff(state_definition, (x, ls, a), ds))
+    # the cotangents a state gets are symmetric
+    cotangent = (_symmetric_state(rng, b, hk, n, e), _symmetric_normalizer(rng, b, hk, n))
+    close(by_autodiff(lambda *w: states.state_of_rows(*w, hk), (x, ls, a), cotangent),
+          by_autodiff(state_definition, (x, ls, a), cotangent))
 
-    def rows_definition(x, ls, s):
-        return state_kernels.state_to_rows_reference(x, states.columns(x, ls), s,
-                                                     transposed=False)
+    def rows_definition(x, ls, s, z):  # (phi(u) S, phi(u) . z)
+        u = x.astype(F32) * jnp.exp(ls)[..., None]
+        return (state_kernels.state_to_rows_reference(x, states.columns(x, ls), s,
+                                                      transposed=False),
+                jnp.sum(phi(u) * repeat(z)[:, :, :, None], axis=-1))
 
-    dy = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
-    close(by_autodiff(states.rows_of_state, (x, ls, s), dy),
-          by_autodiff(rows_definition, (x, ls, s), dy))
+    dy = (jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32),
+          jnp.asarray(rng.normal(size=(b, hq, n, c)), F32))
+    close(by_autodiff(states.rows_of_state, (x, ls, s, z), dy),
+          by_autodiff(rows_definition, (x, ls, s, z), dy))
+    # the forward values too: the normalizer against phi written out
+    close(states.rows_of_state(x, ls, s, z), rows_definition(x, ls, s, z))
+    close(states.state_of_rows(x, ls, a, hk), state_definition(x, ls, a))
 
 
 def _forward_and_grads(f, args, dy):
