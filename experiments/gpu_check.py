@@ -235,13 +235,15 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     """Rows (output, err, note, ok): each Hopper state kernel against its definition in
     float32 XLA (state_kernels.*_reference) on the same bf16 inputs: rows_to_state (S),
     state_to_rows (y = phi(u) S), its transposed form (g) and row_gradients (dx = 2 g in
-    bf16, dls its row sums against x)."""
+    bf16, dls its row sums against x); then with the normalizer's quadratic form (Z a sum
+    of phi of 16 random rows per chunk, in bf16 parts; weights w = c e^(2 ls) with random
+    c): state_to_rows' y and den = w x^T Z x, row_gradients' dx and dls."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
-    from sympow.attention.mosaic_gpu.states import columns
+    from sympow.attention.mosaic_gpu.states import columns, z_parts
 
     d = sk.DIM
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, d)) / d ** 0.5, jnp.bfloat16)
@@ -251,9 +253,13 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     col = columns(x, jnp.asarray(ls, jnp.float32))
     xt = jnp.swapaxes(x, -1, -2)
     s = sk.rows_to_state_reference(xt, col, a, kv_heads=hk)
+    r = rng.normal(size=(b, hk, n, 16, d))
+    z = jnp.asarray(np.einsum("bhnri,bhnrj->bhnij", r, r).reshape(b, hk, n, d * d), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(b, hq, n, c)) * np.exp(2.0 * ls), jnp.float32)
 
     @jax.jit
-    def run(xt, col, a, x, s):
+    def run(xt, col, a, x, s, z, weights):
+        norm = sk.Normalizer(z_parts(z), weights)
         return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
                  sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
                 (sk.state_to_rows(x, col, s, transposed=False),
@@ -261,16 +267,23 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                 (sk.state_to_rows(a, col, s, transposed=True),
                  sk.state_to_rows_reference(a, col, s, transposed=True)),
                 *zip(sk.row_gradients(a, x, col, s), sk.row_gradients_reference(a, x, col, s),
-                     strict=True)]
+                     strict=True),
+                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm),
+                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm),
+                     strict=True),
+                *zip(sk.row_gradients(a, x, col, s, normalizer=norm),
+                     sk.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True)]
 
     rows = []
-    for name, (got, want) in zip(("S", "y", "g", "dx", "dls"), run(xt, col, a, x, s),
-                                 strict=True):
+    names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z")
+    for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
-        ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= 1e-2)
-        rows.append((name, err, "exact 0" if scales == "full" else "tol 1e-2", ok))
+        # den: float32-accurate products of the bf16 rows with Z's parts
+        tol = 1e-5 if name == "den" else 1e-2
+        ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= tol)
+        rows.append((name, err, "exact 0" if scales == "full" else f"tol {tol:g}", ok))
     return rows
 
 

@@ -8,7 +8,8 @@
 experiments/kernel_profile.py reads jax's own profiler instead.)
 
 One launch of each of rows_to_state, state_to_rows and row_gradients (the transposed
-product as the backward runs it) per repetition (bf16, col in the tier's
+product as the backward runs it), and of the last two with the normalizer's quadratic form
+(`_z`, as the tier runs them), per repetition (bf16, col in the tier's
 `states.COLUMNS_DTYPE`, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
 with --primitives, the tier's update_state and query_state, forward and backward, as
 jitted programs (their XLA glue included), for a per-kernel summary of each.
@@ -80,11 +81,18 @@ def main(argv):
     s = jax.random.normal(keys[2], (1, h, n, d * d, e), jnp.bfloat16)
     xt = jnp.swapaxes(x, -1, -2)
     col = xt.astype(states.COLUMNS_DTYPE)  # ls = 0
+    normalizer = sk.Normalizer(states.z_parts(jnp.ones((1, h, n, d * d), jnp.float32)),
+                               jnp.ones((1, h, n, c), jnp.float32))
     kernels = {
         "rows_to_state": (jax.jit(lambda *z: sk.rows_to_state(*z, kv_heads=h)), (xt, col, a)),
         "state_to_rows": (jax.jit(lambda *z: sk.state_to_rows(*z, transposed=False)),
                           (x, col, s)),
         "row_gradients": (jax.jit(sk.row_gradients), (a, x, col, s)),
+        # with the normalizer's quadratic form, as the tier runs them
+        "state_to_rows_z": (jax.jit(lambda *z: sk.state_to_rows(
+            *z[:3], transposed=False, normalizer=z[3])), (x, col, s, normalizer)),
+        "row_gradients_z": (jax.jit(lambda *z: sk.row_gradients(*z[:4], normalizer=z[4])),
+                            (a, x, col, s, normalizer)),
     }
     flop = 2 * h * _T.value * d * d * e
     for name, (fn, args) in kernels.items():
