@@ -238,12 +238,9 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # the memory warpgroup before the ring.
     parts_scratch = ([swizzled((3 * d, d), BF16), plgpu.Barrier(num_barriers=1)]
                      if quadratic else [])
+    own = own_scratch(*own_specs)
     # Ring slots: as many as fit (up to 3) beside the own blocks, the outputs and Z's parts.
-    per_wg_blocks = [(shape, dtype) for shape, dtype, _ in own_specs]
-    per_wg_blocks += [((rows_per_wg, width), out_dtype)] + [((rows_per_wg,), F32)] * (
-        len(out_type) - 1)
-    fixed = sum(COMPUTE_WGS * _bytes(*block) for block in per_wg_blocks) + (
-        _bytes((3 * d, d), BF16) if quadratic else 0)
+    fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(3, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
 
     def kernel(*refs):
@@ -323,7 +320,6 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             ring.fill(d // per_step, lambda step: (
                 s_ref.at[bi, kv, chunk, pl.ds(step * per_step * d, per_step * d)],))
 
-    own = own_scratch(*own_specs)
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
     name = "row_gradients" if gradient else "state_to_rows"
