@@ -69,6 +69,11 @@ from sympow.attention.mosaic_gpu.blocks import (
 )
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+EXP2_CAP = 126.0  # the largest decay factor exp2 may give (float32's range: 2^127)
+# Off the diagonal the forward takes `separable_weights` for key blocks whose gates sum to
+# at least -SEPARABLE_SPREAD (log2 units): its running max then exceeds the exact one by at
+# most that much, 2^-32 of float32's 2^-126 range; blocks with stronger gates take exp2.
+SEPARABLE_SPREAD = 32.0
 
 
 def _program(heads: int, tiles: int):
@@ -86,18 +91,55 @@ def _scores(a_ref, b_ref):
     return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
 
 
-def _power_terms(s, exponent, scale, p_scale, p: int):
+def _power_terms(s, factors, scale, p_scale, p: int):
     """(w, ds / dw) of the backward without logarithms or divisions: with s' = s scale,
-    w = s'^p exp2(exponent) and ds / dw = p dl / (s dw) = s'^(p-1) exp2(exponent) p scale
-    (p_scale = p scale, broadcast like scale). `exponent` is decay - m - p log2(scale) in
-    base 2: the forward's row scale keeps the largest |s'| of a row near 1, so exp2 stays
-    finite for every weight that is not negligible; it is capped for the others, whose
-    s'^p underflows."""
-    e = jnp.exp2(jnp.minimum(exponent, 126.0))
+    w = s'^p e and ds / dw = p dl / (s dw) = s'^(p-1) e p scale (p_scale = p scale,
+    broadcast like scale), e the product of `factors` (the decay against the row's shift,
+    applied in order to s'^(p-1), which keeps every partial product finite): on a diagonal
+    block exp2 of the exact exponent, elsewhere a row factor and a column factor
+    (`separable_factors`)."""
     scaled = s * scale
     odd = scaled if p == 2 else lax.integer_pow(scaled, p - 1)
-    odd = odd * e
+    for factor in factors:
+        odd = odd * factor
     return odd * scaled, odd * p_scale
+
+
+def capped_exp2(exponent):
+    """exp2 of a decay exponent against a row's shift, capped at 2^EXP2_CAP: the forward's
+    row scale keeps the largest |s'| of a row near 1, so the factor stays finite for every
+    weight that is not negligible; past the cap s'^p underflows."""
+    return jnp.exp2(jnp.minimum(exponent, EXP2_CAP))
+
+
+def finite(m):
+    """A row shift: m, or 0 where no weight was seen yet (no inf - inf)."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def separable_weights(s, top, row_decay, col_factor, m_old, p: int):
+    """(w, m_new) of a block off the diagonal with no exponential per score: the decay
+    D_ij = row_i + tail_j (row = head + mid, tail <= 0, log2 units) factors into a row
+    and a column term, so with the block's bound on its logits
+
+        bound_i = p log2 max_j |s_ij| + row_i  (>= every p log2|s_ij| + D_ij: tails <= 0),
+
+    m_new = max(m_old, bound) and w_ij = (s_ij r_i)^p f_j, r_i = exp2((bound_i - m_new_i)
+    / p) / max_j |s_ij| (|s_ij| r_i <= 1) and f_j = exp2(tail_j) = `col_factor` (<= 1):
+    every factor at most 1, nothing overflows. m_new exceeds the exact running max by at
+    most the block's tail spread, so the kernel takes this path only for blocks whose gates
+    sum to at least -SEPARABLE_SPREAD (the weights then lose no range); rows whose largest
+    |s| is below float32's normal range get no weight (as log2 flushes them on the GPU).
+    s [R, K], top = max_j |s_ij| [R], row_decay [R], col_factor [K], m_old [R] (log2
+    units); plain jnp, so the arithmetic is checked on a CPU as well."""
+    bound = p * jnp.log2(top) + row_decay
+    m_new = jnp.maximum(m_old, bound)
+    normal = top >= jnp.finfo(jnp.float32).tiny
+    r = jnp.where(normal, jnp.exp2((bound - finite(m_new)) / p)
+                  / jnp.where(normal, top, 1.0), 0.0)
+    t = s * by_rows(r, s.shape)
+    w = t * t if p == 2 else lax.integer_pow(t, p)
+    return w * by_cols(col_factor, s.shape), m_new
 
 
 # Forward and dQ: query programs walking the key blocks back from the diagonal.
@@ -106,8 +148,8 @@ def _power_terms(s, exponent, scale, p_scale, p: int):
 class _KeyWalk:
     """A query program's walk over the key blocks J = top - step (the forward's and dQ's):
     from the last compute warpgroup's diagonal block `top` back to block 0, the ring holding
-    (k, v, tail) of each; `block` is this warpgroup's query block I, `first` the step of its
-    diagonal."""
+    (k, v, tail, exp(tail)) of each; `block` is this warpgroup's query block I, `first` the
+    step of its diagonal."""
 
     b: jax.Array
     hq: jax.Array
@@ -138,31 +180,36 @@ class _KeyWalk:
         """This warpgroup's query rows."""
         return pl.ds(self.block * ROWS, ROWS)
 
-    def fill(self, k_ref, v_ref, tl_ref) -> None:
+    def fill(self, k_ref, v_ref, tl_ref, tail_factor_ref) -> None:
         """The memory warpgroup's part."""
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         self.ring.fill(self.steps, lambda step: tuple(
             x.at[self.b, self.hk, self.n, pl.ds((self.top - step) * ROWS, ROWS)]
-            for x in (k_ref, v_ref, tl_ref)))
+            for x in (k_ref, v_ref, tl_ref, tail_factor_ref)))
+
+    def gates(self, slot):
+        """(tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a step's key
+        block: both waited on every step, used or not (`Ring.wait`)."""
+        tail_smem = self.ring.wait(slot, 2)
+        return tail_smem, plgpu.load(self.ring.wait(slot, 3), (), layout=COL_VECTOR)
 
     def decays(self, a_smem, hd_smem, ones_smem):
-        """decay(slot, mid, on_diagonal) -> D log2(e) [ROWS, ROWS] of a step, from this
-        warpgroup's gates and head sums (shared memory, loaded) and the tail in the ring
-        (waited on every step, used or not: `Ring.wait`). Also passes the step above this
+        """(decay, head): decay(tail_smem, mid, on_diagonal) -> D log2(e) [ROWS, ROWS] of a
+        step, from this warpgroup's gates and head sums (shared memory, loaded) and the key
+        block's tail; head the row vector head log2(e). Also passes the step above this
         warpgroup's diagonal, if any."""
         write_mask(ones_smem, lambda k, j: k > j)
         diagonal = decay_product(a_smem, lambda i, k: k <= i, ones_smem) * LOG2E
         head = plgpu.load(hd_smem, (), layout=ROW_VECTOR) * LOG2E
         pl.when(self.first > 0)(lambda: self.ring.skip(0))
 
-        def decay(slot, mid, on_diagonal: bool):
-            tail_smem = self.ring.wait(slot, 2)
+        def decay(tail_smem, mid, on_diagonal: bool):
             if on_diagonal:
                 return diagonal
             tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
             return by_rows(head) + by_cols((tail + mid) * LOG2E)
 
-        return decay
+        return decay, head
 
     def run(self, visit, init):
         """visit(step, carry, on_diagonal) over the diagonal, then the blocks before it; the
@@ -173,9 +220,9 @@ class _KeyWalk:
                              lambda s, c: visit(s, c, on_diagonal=False), carry)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_ref, m_ref,
-                c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p, groups,
-                tiles):
+def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_ref, den_ref,
+                m_ref, c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p,
+                groups, tiles):
     walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
@@ -186,28 +233,39 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
         mine = (b, hq, n, walk.rows)
         load_own([(q_ref.at[mine], q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem)], wg, own_bars)
-        decay_of = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
+        decay_of, head = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         rows, cols = indices()
 
         def visit(step, carry, on_diagonal: bool):
             acc, m2, den, size, mid = carry
             slot = ring.slot(step)
             s = _scores(q_smem.at[wg], ring.wait(slot, 0))
+            tail_smem, tail_factor = walk.gates(slot)
             magnitude = jnp.abs(s)
-            decay = decay_of(slot, mid, on_diagonal)
-            logit = p * jnp.log2(magnitude) + decay  # log2|0| = -inf: no weight
             if on_diagonal:
-                logit = jnp.where(cols <= rows, logit, -jnp.inf)
                 magnitude = jnp.where(cols <= rows, magnitude, 0.0)
-            size = jnp.maximum(size, magnitude.max(axis=1))
-            m_new = jnp.maximum(m2, logit.max(axis=1))
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # finite: no inf - inf
-            alpha = jnp.exp2(m2 - shift)
-            w = jnp.exp2(logit - by_rows(shift))
+            top = magnitude.max(axis=1)
+
+            def exact():  # an exp2 and a log2 per score
+                logit = p * jnp.log2(magnitude) + decay_of(tail_smem, mid, on_diagonal)
+                if on_diagonal:  # log2|0| = -inf: no weight
+                    logit = jnp.where(cols <= rows, logit, -jnp.inf)
+                m_new = jnp.maximum(m2, logit.max(axis=1))
+                return jnp.exp2(logit - by_rows(finite(m_new))), m_new
+
+            total = tot_ref[b, hk, n, walk.top - step]
+            if on_diagonal:
+                w, m_new = exact()
+            else:
+                w, m_new = lax.cond(
+                    total * LOG2E >= -SEPARABLE_SPREAD,
+                    lambda: separable_weights(s, top, head + mid * LOG2E, tail_factor, m2, p),
+                    exact)
+            alpha = jnp.exp2(m2 - finite(m_new))
             den = den * alpha + w.sum(axis=1)
             acc = accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
             ring.release(slot)
-            return acc, m_new, den, size, mid + tot_ref[b, hk, n, walk.top - step]
+            return acc, m_new, den, jnp.maximum(size, top), mid + total
 
         e = o_ref.shape[-1]
         acc, m2, den, size, _ = walk.run(visit, (
@@ -219,7 +277,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, o_ref, den_
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
                     (scale_exponent, c_smem, c_ref.at[mine])], wg)
 
-    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
+    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref))
 
 
 def _block_totals(a):
@@ -227,9 +285,12 @@ def _block_totals(a):
 
 
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
-    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`,
-    and c [B,Hq,N,C]: -log2 of the largest |Q_i . K_j| of each row (0 for none), the row
-    scale of the backward (`_power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
+    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`
+    but for m, the rows' shift: the exact row max of the logits or above it by at most
+    SEPARABLE_SPREAD log2 units (`separable_weights`; o and den are scaled by the same
+    exp(-m), which is all the chunked combine and the backward need), and c [B,Hq,N,C]:
+    -log2 of the largest |Q_i . K_j| of each row (0 for none), the row scale of the
+    backward (`_power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
     v [B,Hk,N,C,E] (bfloat16; C a multiple of TILE_ROWS, d and e in WIDTHS) and the log
     gates a with their `block_gate_sums` (head, tail) over blocks of ROWS, each [B,Hk,N,C]
     float32."""
@@ -238,7 +299,7 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     tiles = c // TILE_ROWS
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
-    ring = Ring.scratch([tile(d), tile(e), VECTOR], stages)
+    ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages)
     out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
@@ -246,12 +307,13 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
         out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
-        grid_names=("tile", "chunk", "bh"), args=(q, k, v, a, head, tail, _block_totals(a)))
+        grid_names=("tile", "chunk", "bh"),
+        args=(q, k, v, a, head, tail, _block_totals(a), jnp.exp(tail)))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
-               dden_ref, dq_ref, dhead_ref, ddiag_ref, pairs_ref, own, own_bars, ring_arrays,
-               ring_loaded, ring_freed, out, *, p, groups, tiles):
+               dden_ref, tf_ref, dq_ref, dhead_ref, ddiag_ref, pairs_ref, own, own_bars,
+               ring_arrays, ring_loaded, ring_freed, out, *, p, groups, tiles):
     walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
@@ -265,7 +327,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
                    (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem), (m_ref.at[mine], m_smem),
                    (c_ref.at[mine], c_smem), (dden_ref.at[mine], dden_smem)], wg, own_bars)
-        decay_of = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
+        decay_of, head = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         c = plgpu.load(c_smem.at[wg], (), layout=ROW_VECTOR)
         shift = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E + p * c
         scale = jnp.exp2(c)
@@ -288,10 +350,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             key_block = walk.top - step
             k_smem = ring.wait(slot, 0)
             s = _scores(q_smem.at[wg], k_smem)
-            exponent = decay_of(slot, mid, on_diagonal) - by_rows(shift)
+            tail_smem, tail_factor = walk.gates(slot)
             if on_diagonal:
-                exponent = jnp.where(cols <= rows, exponent, -jnp.inf)
-            w, dsdw = _power_terms(s, exponent, by_rows(scale), by_rows(p_scale), p)
+                exponent = jnp.where(cols <= rows, decay_of(tail_smem, mid, True)
+                                     - by_rows(shift), -jnp.inf)
+                factors = (capped_exp2(exponent),)
+            else:  # D_ij - shift_i = (head_i + mid - shift_i) + tail_j: a factor of each
+                factors = (by_rows(capped_exp2(head + mid * LOG2E - shift)),
+                           by_cols(tail_factor))
+            w, dsdw = _power_terms(s, factors, by_rows(scale), by_rows(p_scale), p)
             dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
             dl = w * dw
             ds = dsdw * dw
@@ -321,12 +388,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
                     (dhead, dhead_smem, dhead_ref.at[mine]),
                     (ddiag, ddiag_smem, ddiag_ref.at[mine])], wg)
 
-    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref))
+    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
-                dden_ref, dk_ref, dv_ref, dtail_ref, own, own_bars, ring_arrays, ring_loaded,
-                ring_freed, out, *, p, groups, tiles):
+                dden_ref, tf_ref, dk_ref, dv_ref, dtail_ref, own, own_bars, ring_arrays,
+                ring_loaded, ring_freed, out, *, p, groups, tiles):
+    del tf_ref  # the query programs' exp(tail); this one's keys are its own block
     b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
     blocks = tiles * COMPUTE_WGS
     start = COMPUTE_WGS * tile_  # the first query block of the walk
@@ -348,6 +416,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
         # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
         diagonal = decay_product(a_smem.at[wg], lambda j, k: k > j, ones_smem.at[wg]) * LOG2E
         tail = plgpu.load(tl_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        tail_factor = by_rows(jnp.exp2(tail))  # the keys' decay factors, <= 1
         rows, cols = indices()
 
         @pl.loop(0, first)
@@ -361,18 +430,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
             q_smem = ring.wait(slot, 0)
             s = _scores(k_smem.at[wg], q_smem)  # [keys j, queries i]
             head_smem = ring.wait(slot, 4)  # waited on every step: the barrier phases
-            if on_diagonal:
-                decay = diagonal
-            else:
-                head = plgpu.load(head_smem, (), layout=COL_VECTOR)
-                decay = by_rows(tail) + by_cols((head + mid) * LOG2E)
             m2 = plgpu.load(ring.wait(slot, 2), (), layout=COL_VECTOR) * LOG2E
             c = plgpu.load(ring.wait(slot, 5), (), layout=COL_VECTOR)
-            exponent = decay - by_cols(m2 + p * c)
+            shift = m2 + p * c
             if on_diagonal:
-                exponent = jnp.where(cols >= rows, exponent, -jnp.inf)
+                exponent = jnp.where(cols >= rows, diagonal - by_cols(shift), -jnp.inf)
+                factors = (capped_exp2(exponent),)
+            else:  # D_ji - shift_i = tail_j + (head_i + mid - shift_i): a factor of each
+                head = plgpu.load(head_smem, (), layout=COL_VECTOR)
+                factors = (tail_factor, by_cols(capped_exp2((head + mid) * LOG2E - shift)))
             scale = jnp.exp2(c)
-            w, dsdw = _power_terms(s, exponent, by_cols(scale), by_cols(p * scale), p)
+            w, dsdw = _power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
             do_smem = ring.wait(slot, 1)
             dden = plgpu.load(ring.wait(slot, 3), (), layout=COL_VECTOR)
             dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
@@ -427,7 +495,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     totals = _block_totals(a)
     bars = lambda count: tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS)  # noqa: E731
                                for _ in range(count))
-    args = (q, k, v, a, head, tail, totals, m, scales, do, dden)
+    args = (q, k, v, a, head, tail, totals, m, scales, do, dden, jnp.exp(tail))
     dq, dhead, ddiag, pairs = launch(
         lambda *refs: _dq_kernel(*refs, p=p, groups=groups, tiles=tiles),
         name="sympow_attention_dq",
@@ -437,7 +505,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
                               tile(ROWS)),
-                 bars(7), *Ring.scratch([tile(d), tile(e), VECTOR], stages),
+                 bars(7), *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
                   *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR, VECTOR,
                                tile(ROWS), tile(ROWS)))),

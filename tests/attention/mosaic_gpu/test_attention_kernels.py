@@ -101,3 +101,82 @@ def test_the_straddle_product_is_the_straddle_sums(rng):
                            preferred_element_type=jnp.float32)
     rough = jnp.where(index[None, :] < index[:, None], bf16_only, 0.0).sum(axis=-1)
     assert np.any(np.abs(np.asarray(rough) - np.asarray(want)) > 1e-5 * scale)
+
+
+def _logits(s, row_decay, tail, p):
+    """p log2|s_ij| + row_i + tail_j (log2 units), float64: the exact path's logits."""
+    with np.errstate(divide="ignore"):
+        return p * np.log2(np.abs(s)) + row_decay[:, None] + tail[None, :]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_separable_weights_are_the_exact_weights_against_a_bounded_shift(rng, p):
+    """Off the diagonal the forward builds w_ij = exp2(l_ij - m_i) from a row factor and a
+    column factor (`attention_kernels.separable_weights`, the kernel's own arithmetic in
+    plain JAX): the same weights as exp2 of the exact logits against the shift it returns,
+    and that shift is at least the exact running max and above it by at most the block's
+    tail spread (so no weight loses range). Rows of zero scores get no weight."""
+    rows = blocks.ROWS
+    s = rng.normal(size=(rows, rows)) * np.exp(rng.normal(0.0, 2.0, size=(rows, 1)))
+    s[3] = 0.0  # a row with nothing to attend in this block
+    s[5, ::2] = 0.0
+    gates = -np.abs(rng.normal(0.0, 0.15, size=rows))  # log gates of the key block, log2 units
+    tail = np.concatenate([np.cumsum(gates[::-1])[::-1][1:], [0.0]])  # sum over k > j
+    row_decay = -np.abs(rng.normal(0.0, 20.0, size=rows))  # head + mid
+    m_old = np.where(rng.random(rows) < 0.3, -np.inf, rng.normal(0.0, 10.0, size=rows))
+    w, m_new = attention_kernels.separable_weights(
+        jnp.asarray(s, jnp.float32), jnp.asarray(np.abs(s).max(axis=1), jnp.float32),
+        jnp.asarray(row_decay, jnp.float32), jnp.asarray(np.exp2(tail), jnp.float32),
+        jnp.asarray(m_old, jnp.float32), p)
+    w, m_new = np.asarray(w, np.float64), np.asarray(m_new, np.float64)
+    logits = _logits(s, row_decay, tail, p)
+    exact_max = np.maximum(m_old, logits.max(axis=1))
+    has_weight = np.isfinite(exact_max)
+    assert np.all(m_new[has_weight] >= exact_max[has_weight] - 1e-4)
+    assert np.all(m_new[has_weight] <= exact_max[has_weight] - tail[0] + 1e-4)
+    assert m_new[3] == np.float32(m_old[3])  # no bound from a row of zeros
+    shift = np.where(np.isfinite(m_new), m_new, 0.0)
+    want = np.exp2(logits - shift[:, None])
+    assert np.all(w <= 1.0 + 1e-6) and np.all(w[3] == 0.0) and np.all(w[5, ::2] == 0.0)
+    np.testing.assert_allclose(w, want, rtol=2e-5 * p, atol=1e-30)
+
+
+def test_separable_weights_need_the_bound_on_the_spread(rng):
+    """The kernel takes the exp2 path for blocks whose gates sum below -SEPARABLE_SPREAD:
+    with a spread far beyond it, the shift the separable path returns sits that far above
+    the exact max (the weights would lose their range), which is why the bound exists."""
+    rows = blocks.ROWS
+    s = np.ones((rows, rows))
+    s[:, 0] = 1e20  # the largest scores, 2^66 over the rest, on the most decayed key
+    tail = np.concatenate([[-200.0], np.zeros(rows - 1)])
+    _, m_new = attention_kernels.separable_weights(
+        jnp.asarray(s, jnp.float32), jnp.asarray(np.abs(s).max(axis=1), jnp.float32),
+        jnp.zeros(rows), jnp.asarray(np.exp2(tail), jnp.float32),
+        jnp.full(rows, -jnp.inf), 2)
+    exact_max = _logits(s, np.zeros(rows), tail, 2).max(axis=1)
+    assert np.all(np.asarray(m_new) - exact_max > attention_kernels.SEPARABLE_SPREAD)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_backward_factors_are_the_capped_exponential(rng, p):
+    """The backward's decay factor off the diagonal, exp2 of the row part (capped) times
+    exp2 of the column part, in `_power_terms`' order: the same (w, ds / dw) as the one
+    capped exp2 of the whole exponent wherever the row part is under the cap."""
+    rows = blocks.ROWS
+    s = rng.normal(size=(rows, rows))
+    scale = 1.0 / np.abs(s).max(axis=1)
+    row_part = rng.normal(0.0, 30.0, size=rows)  # head + mid - shift
+    tail = -np.abs(rng.normal(0.0, 5.0, size=rows))
+    as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    by_rows = lambda x: as32(x)[:, None]  # noqa: E731
+    exact = attention_kernels._power_terms(
+        as32(s), (attention_kernels.capped_exp2(as32(row_part[:, None] + tail[None, :])),),
+        by_rows(scale), by_rows(p * scale), p)
+    split = attention_kernels._power_terms(
+        as32(s), (by_rows(attention_kernels.capped_exp2(as32(row_part))),
+                  as32(np.exp2(tail))[None, :]), by_rows(scale), by_rows(p * scale), p)
+    # the one-exponential form rounds row + tail (|.| up to ~128) to float32 first: a few
+    # ulp of the exponent, 2^-24 x 128 each, are its relative error
+    rtol = 4 * 2.0 ** -24 * 128
+    for got, want in zip(split, exact, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=0)
