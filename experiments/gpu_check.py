@@ -238,7 +238,7 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     rows = [("y", rel(y2, y1), "tol 1e-2", finite(y2) and rel(y2, y1) <= 1e-2),
             ("den", rel(t2, t1), "tol 1e-4 (den e^m)", finite(t2) and rel(t2, t1) <= 1e-4),
             ("m", max(below, 0.0), f"below exact <= 1e-5, above {above:.3g} <= {spread:.3g}",
-             finite(m2) and below <= 1e-5 and above <= spread + 1e-4)]
+             bool(finite(m2) and below <= 1e-5 and above <= spread + 1e-4))]
     for name, x, y in zip(("dq", "dk", "dv", "da"), grads2, grads1, strict=True):
         rows.append((name, rel(x, y), "tol 3e-2", finite(x) and rel(x, y) <= 3e-2))
     return rows
