@@ -4,11 +4,14 @@ The same functions as `sympow.attention.pallas.attention_kernels` (whose module 
 states them: l_ij = p log|Q_i . K_j| + D_ij, the online row max m, o = sum_j w_ij V_j and
 den = sum_j w_ij with w_ij = exp(l_ij - m_i); the backward's dl = w (dO . V_j + dden),
 ds = p dl / s and the gate cotangent from local sums), with the same inputs and outputs, so
-the two tiers' kernels can stand in for each other. bf16 operands, float32 accumulators.
+the two tiers' kernels can stand in for each other; but m, the rows' shift, may exceed the
+exact max by at most SEPARABLE_SPREAD log2 units (o and den carry the same exp(-m), all the
+callers use). bf16 operands, float32 accumulators.
 
 Programs (blocks.py): 128 rows, two compute warpgroups of 64 and a memory warpgroup.
 - forward and dQ: one program per 128 query rows of a chunk and query head; the ring walks
-  the key blocks (k, v, tail) from the last compute warpgroup's diagonal back to block 0.
+  the key blocks (k, v, tail, exp(tail)) from the last compute warpgroup's diagonal back to
+  block 0.
 - dK, dV: one program per 128 key rows and kv head; the ring walks the query blocks (q, dO,
   m, dden, head) of every query head of the group, from the first warpgroup's diagonal to
   the end of the chunk. Each warpgroup skips the steps before its own diagonal.
@@ -16,10 +19,15 @@ Programs (blocks.py): 128 rows, two compute warpgroups of 64 and a memory warpgr
 Decays from local sums: off the diagonal D_ij = head_i + mid_IJ + tail_j with mid the
 carried sum of the block totals passed (sums of terms <= 0, never differences of long
 sums); on the diagonal an exact in-block product (`blocks.decay_product`), once per
-warpgroup. The forward keeps the logits in base 2 (one lg2 and one ex2 per score) and
-stores m in natural units, and with it each row's scale c = -log2 max_j |s_ij|. The backward
-takes no logarithm and no division: w = s'^p exp2(D - m - p c) and ds = p dl / s =
-p s'^(p-1) exp2(D - m - p c) 2^c dw with s' = s 2^c (`_power_terms`), one ex2 per score.
+warpgroup. Off the diagonal that sum is a row term plus a column term, so no score needs an
+exponential there: the forward's weights are (s_ij r_i)^p exp(tail_j) against a shift
+bounded from the block's largest |s| (`separable_weights`; one log2, one exp2 and one
+division per row and step), for key blocks whose gates sum to at least -SEPARABLE_SPREAD
+(the others, and the diagonal, keep the logits in base 2: one lg2 and one ex2 per score).
+The forward stores m in natural units, and with it each row's scale c = -log2 max_j |s_ij|.
+The backward takes no logarithm and no division: w = s'^p e and ds = p dl / s =
+p s'^(p-1) e 2^c dw with s' = s 2^c and e = exp2(D - m - p c) (`_power_terms`): on the
+diagonal one ex2 per score, off it a capped exp2 per row times exp(tail) per column.
 
 The dQ kernel also returns dhead (per query, dl summed over earlier key blocks), the
 block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go

@@ -68,5 +68,5 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
     vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
-    o, den, _ = attention(plan, qc, kc, vc, a)  # m: a row max, no gradient
+    o, den, _ = attention(plan, qc, kc, vc, a)  # m: the rows' shift, no gradient
     return from_chunks(safe_divide(o, den), t)[..., :e]
