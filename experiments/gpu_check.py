@@ -188,7 +188,7 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     """Rows (output, err, note, ok): the Hopper attention kernels against the portable ones
     on the same bf16 inputs (the same functions): the forward's y = o / den, den e^m and m
     (the Hopper forward's shift: at least the portable kernels' exact row max, above it by
-    at most `attention_kernels.SEPARABLE_SPREAD` log2 units), and the backward's dq, dk, dv
+    at most `weights.SEPARABLE_SPREAD` log2 units), and the backward's dq, dk, dv
     and gate cotangent da under random cotangents of o e^m and den e^m (each side's
     cotangents of o and den scaled by its own e^m: the kernels' o and den may differ by
     e^(m2 - m1), their products with e^m not)."""
@@ -196,8 +196,8 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     import jax.numpy as jnp
     import numpy as np
 
-    from sympow.attention.mosaic_gpu import attention_kernels
     from sympow.attention.mosaic_gpu import vjps as hopper
+    from sympow.attention.mosaic_gpu import weights
     from sympow.attention.pallas import vjps as portable
     from sympow.attention.pallas.plan import make_form_plan
 
@@ -234,7 +234,7 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
     # m: not below the exact max (1e-5 relative), at most the spread above it
     below = float(np.max((m1 - m2) / np.maximum(1.0, np.abs(m1))))
     above = float(np.max(m2 - m1))
-    spread = attention_kernels.SEPARABLE_SPREAD * np.log(2.0)
+    spread = weights.SEPARABLE_SPREAD * np.log(2.0)
     rows = [("y", rel(y2, y1), "tol 1e-2", finite(y2) and rel(y2, y1) <= 1e-2),
             ("den", rel(t2, t1), "tol 1e-4 (den e^m)", finite(t2) and rel(t2, t1) <= 1e-4),
             ("m", max(below, 0.0), f"below exact <= 1e-5, above {above:.3g} <= {spread:.3g}",

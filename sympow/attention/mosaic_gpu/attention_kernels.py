@@ -21,13 +21,13 @@ carried sum of the block totals passed (sums of terms <= 0, never differences of
 sums); on the diagonal an exact in-block product (`blocks.decay_product`), once per
 warpgroup. Off the diagonal that sum is a row term plus a column term, so no score needs an
 exponential there: the forward's weights are (s_ij r_i)^p exp(tail_j) against a shift
-bounded from the block's largest |s| (`separable_weights`; one log2, one exp2 and one
+bounded from the block's largest |s| (`weights.separable_weights`; one log2, one exp2 and one
 division per row and step), for key blocks whose gates sum to at least -SEPARABLE_SPREAD
 (the others, and the diagonal, keep the logits in base 2: one lg2 and one ex2 per score).
 The forward stores m in natural units, and with it each row's scale c = -log2 max_j |s_ij|.
 The backward takes no logarithm and no division: w = s'^p e and ds = p dl / s =
-p s'^(p-1) e 2^c dw with s' = s 2^c and e = exp2(D - m - p c) (`_power_terms`): on the
-diagonal one ex2 per score, off it a capped exp2 per row times exp(tail) per column.
+p s'^(p-1) e 2^c dw with s' = s 2^c and e = exp2(D - m - p c) (`weights.power_terms`):
+on the diagonal one ex2 per score, off it a capped exp2 per row times exp(tail) per column.
 
 The dQ kernel also returns dhead (per query, dl summed over earlier key blocks), the
 block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go
@@ -75,15 +75,15 @@ from sympow.attention.mosaic_gpu.blocks import (
     write_mask,
     zeros,
 )
+from sympow.attention.mosaic_gpu.weights import (
+    SEPARABLE_SPREAD,
+    capped_exp2,
+    finite,
+    power_terms,
+    separable_weights,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-EXP2_CAP = 126.0  # the largest decay factor exp2 may give (float32's range: 2^127)
-# Off the diagonal the forward takes `separable_weights` for key blocks whose gates sum to
-# at least -SEPARABLE_SPREAD (log2 units): its running max then exceeds the exact one by at
-# most that much, 2^-32 of float32's 2^-126 range; blocks with stronger gates take exp2.
-SEPARABLE_SPREAD = 32.0
-
-
 def _program(heads: int, tiles: int):
     """(b, h, n, tile, wg) of this program on the grid (tile, chunk, b * heads)."""
     bh = lax.axis_index("bh")
@@ -97,57 +97,6 @@ def _scores(a_ref, b_ref):
         plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
         return acc_ref[...]
     return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
-
-
-def _power_terms(s, factors, scale, p_scale, p: int):
-    """(w, ds / dw) of the backward without logarithms or divisions: with s' = s scale,
-    w = s'^p e and ds / dw = p dl / (s dw) = s'^(p-1) e p scale (p_scale = p scale,
-    broadcast like scale), e the product of `factors` (the decay against the row's shift,
-    applied in order to s'^(p-1), which keeps every partial product finite): on a diagonal
-    block exp2 of the exact exponent, elsewhere a row factor and a column factor
-    (`separable_factors`)."""
-    scaled = s * scale
-    odd = scaled if p == 2 else lax.integer_pow(scaled, p - 1)
-    for factor in factors:
-        odd = odd * factor
-    return odd * scaled, odd * p_scale
-
-
-def capped_exp2(exponent):
-    """exp2 of a decay exponent against a row's shift, capped at 2^EXP2_CAP: the forward's
-    row scale keeps the largest |s'| of a row near 1, so the factor stays finite for every
-    weight that is not negligible; past the cap s'^p underflows."""
-    return jnp.exp2(jnp.minimum(exponent, EXP2_CAP))
-
-
-def finite(m):
-    """A row shift: m, or 0 where no weight was seen yet (no inf - inf)."""
-    return jnp.where(m == -jnp.inf, 0.0, m)
-
-
-def separable_weights(s, top, row_decay, col_factor, m_old, p: int):
-    """(w, m_new) of a block off the diagonal with no exponential per score: the decay
-    D_ij = row_i + tail_j (row = head + mid, tail <= 0, log2 units) factors into a row
-    and a column term, so with the block's bound on its logits
-
-        bound_i = p log2 max_j |s_ij| + row_i  (>= every p log2|s_ij| + D_ij: tails <= 0),
-
-    m_new = max(m_old, bound) and w_ij = (s_ij r_i)^p f_j, r_i = exp2((bound_i - m_new_i)
-    / p) / max_j |s_ij| (|s_ij| r_i <= 1) and f_j = exp2(tail_j) = `col_factor` (<= 1):
-    every factor at most 1, nothing overflows. m_new exceeds the exact running max by at
-    most the block's tail spread, so the kernel takes this path only for blocks whose gates
-    sum to at least -SEPARABLE_SPREAD (the weights then lose no range); rows whose largest
-    |s| is below float32's normal range get no weight (as log2 flushes them on the GPU).
-    s [R, K], top = max_j |s_ij| [R], row_decay [R], col_factor [K], m_old [R] (log2
-    units); plain jnp, so the arithmetic is checked on a CPU as well."""
-    bound = p * jnp.log2(top) + row_decay
-    m_new = jnp.maximum(m_old, bound)
-    normal = top >= jnp.finfo(jnp.float32).tiny
-    r = jnp.where(normal, jnp.exp2((bound - finite(m_new)) / p)
-                  / jnp.where(normal, top, 1.0), 0.0)
-    t = s * by_rows(r, s.shape)
-    w = t * t if p == 2 else lax.integer_pow(t, p)
-    return w * by_cols(col_factor, s.shape), m_new
 
 
 # Forward and dQ: query programs walking the key blocks back from the diagonal.
@@ -298,7 +247,7 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     SEPARABLE_SPREAD log2 units (`separable_weights`; o and den are scaled by the same
     exp(-m), which is all the chunked combine and the backward need), and c [B,Hq,N,C]:
     -log2 of the largest |Q_i . K_j| of each row (0 for none), the row scale of the
-    backward (`_power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
+    backward (`weights.power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
     v [B,Hk,N,C,E] (bfloat16; C a multiple of TILE_ROWS, d and e in WIDTHS) and the log
     gates a with their `block_gate_sums` (head, tail) over blocks of ROWS, each [B,Hk,N,C]
     float32."""
@@ -366,7 +315,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             else:  # D_ij - shift_i = (head_i + mid - shift_i) + tail_j: a factor of each
                 factors = (by_rows(capped_exp2(head + mid * LOG2E - shift)),
                            by_cols(tail_factor))
-            w, dsdw = _power_terms(s, factors, by_rows(scale), by_rows(p_scale), p)
+            w, dsdw = power_terms(s, factors, by_rows(scale), by_rows(p_scale), p)
             dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
             dl = w * dw
             ds = dsdw * dw
@@ -448,7 +397,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
                 head = plgpu.load(head_smem, (), layout=COL_VECTOR)
                 factors = (tail_factor, by_cols(capped_exp2((head + mid) * LOG2E - shift)))
             scale = jnp.exp2(c)
-            w, dsdw = _power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
+            w, dsdw = power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
             do_smem = ring.wait(slot, 1)
             dden = plgpu.load(ring.wait(slot, 3), (), layout=COL_VECTOR)
             dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)

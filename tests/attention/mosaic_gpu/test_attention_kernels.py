@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sympow.attention.mosaic_gpu import attention_kernels, blocks
+from sympow.attention.mosaic_gpu import attention_kernels, blocks, weights
 
 SHAPES = [
     (1, 2, 2, 1, 128, 64, 64, 2),  # one program: both warpgroups' diagonals
@@ -112,7 +112,7 @@ def _logits(s, row_decay, tail, p):
 @pytest.mark.parametrize("p", [2, 4])
 def test_separable_weights_are_the_exact_weights_against_a_bounded_shift(rng, p):
     """Off the diagonal the forward builds w_ij = exp2(l_ij - m_i) from a row factor and a
-    column factor (`attention_kernels.separable_weights`, the kernel's own arithmetic in
+    column factor (`weights.separable_weights`, the kernel's own arithmetic in
     plain JAX): the same weights as exp2 of the exact logits against the shift it returns,
     and that shift is at least the exact running max and above it by at most the block's
     tail spread (so no weight loses range). Rows of zero scores get no weight."""
@@ -124,7 +124,7 @@ def test_separable_weights_are_the_exact_weights_against_a_bounded_shift(rng, p)
     tail = np.concatenate([np.cumsum(gates[::-1])[::-1][1:], [0.0]])  # sum over k > j
     row_decay = -np.abs(rng.normal(0.0, 20.0, size=rows))  # head + mid
     m_old = np.where(rng.random(rows) < 0.3, -np.inf, rng.normal(0.0, 10.0, size=rows))
-    w, m_new = attention_kernels.separable_weights(
+    w, m_new = weights.separable_weights(
         jnp.asarray(s, jnp.float32), jnp.asarray(np.abs(s).max(axis=1), jnp.float32),
         jnp.asarray(row_decay, jnp.float32), jnp.asarray(np.exp2(tail), jnp.float32),
         jnp.asarray(m_old, jnp.float32), p)
@@ -149,12 +149,12 @@ def test_separable_weights_need_the_bound_on_the_spread(rng):
     s = np.ones((rows, rows))
     s[:, 0] = 1e20  # the largest scores, 2^66 over the rest, on the most decayed key
     tail = np.concatenate([[-200.0], np.zeros(rows - 1)])
-    _, m_new = attention_kernels.separable_weights(
+    _, m_new = weights.separable_weights(
         jnp.asarray(s, jnp.float32), jnp.asarray(np.abs(s).max(axis=1), jnp.float32),
         jnp.zeros(rows), jnp.asarray(np.exp2(tail), jnp.float32),
         jnp.full(rows, -jnp.inf), 2)
     exact_max = _logits(s, np.zeros(rows), tail, 2).max(axis=1)
-    assert np.all(np.asarray(m_new) - exact_max > attention_kernels.SEPARABLE_SPREAD)
+    assert np.all(np.asarray(m_new) - exact_max > weights.SEPARABLE_SPREAD)
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -169,11 +169,11 @@ def test_the_backward_factors_are_the_capped_exponential(rng, p):
     tail = -np.abs(rng.normal(0.0, 5.0, size=rows))
     as32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     by_rows = lambda x: as32(x)[:, None]  # noqa: E731
-    exact = attention_kernels._power_terms(
-        as32(s), (attention_kernels.capped_exp2(as32(row_part[:, None] + tail[None, :])),),
+    exact = weights.power_terms(
+        as32(s), (weights.capped_exp2(as32(row_part[:, None] + tail[None, :])),),
         by_rows(scale), by_rows(p * scale), p)
-    split = attention_kernels._power_terms(
-        as32(s), (by_rows(attention_kernels.capped_exp2(as32(row_part))),
+    split = weights.power_terms(
+        as32(s), (by_rows(weights.capped_exp2(as32(row_part))),
                   as32(np.exp2(tail))[None, :]), by_rows(scale), by_rows(p * scale), p)
     # the one-exponential form rounds row + tail (|.| up to ~128) to float32 first: a few
     # ulp of the exponent, 2^-24 x 128 each, are its relative error
