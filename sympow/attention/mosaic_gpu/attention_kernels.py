@@ -84,6 +84,8 @@ from sympow.attention.mosaic_gpu.weights import (
 )
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+
+
 def _program(heads: int, tiles: int):
     """(b, h, n, tile, wg) of this program on the grid (tile, chunk, b * heads)."""
     bh = lax.axis_index("bh")
@@ -244,7 +246,7 @@ def _block_totals(a):
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`
     but for m, the rows' shift: the exact row max of the logits or above it by at most
-    SEPARABLE_SPREAD log2 units (`separable_weights`; o and den are scaled by the same
+    SEPARABLE_SPREAD log2 units (`weights.separable_weights`; o and den are scaled by the same
     exp(-m), which is all the chunked combine and the backward need), and c [B,Hq,N,C]:
     -log2 of the largest |Q_i . K_j| of each row (0 for none), the row scale of the
     backward (`weights.power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],

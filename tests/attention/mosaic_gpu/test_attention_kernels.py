@@ -141,7 +141,7 @@ def test_separable_weights_are_the_exact_weights_against_a_bounded_shift(rng, p)
     np.testing.assert_allclose(w, want, rtol=2e-5 * p, atol=1e-30)
 
 
-def test_separable_weights_need_the_bound_on_the_spread(rng):
+def test_separable_weights_need_the_bound_on_the_spread():
     """The kernel takes the exp2 path for blocks whose gates sum below -SEPARABLE_SPREAD:
     with a spread far beyond it, the shift the separable path returns sits that far above
     the exact max (the weights would lose their range), which is why the bound exists."""
@@ -160,7 +160,7 @@ def test_separable_weights_need_the_bound_on_the_spread(rng):
 @pytest.mark.parametrize("p", [2, 4])
 def test_the_backward_factors_are_the_capped_exponential(rng, p):
     """The backward's decay factor off the diagonal, exp2 of the row part (capped) times
-    exp2 of the column part, in `_power_terms`' order: the same (w, ds / dw) as the one
+    exp2 of the column part, in `weights.power_terms`' order: the same (w, ds / dw) as the one
     capped exp2 of the whole exponent wherever the row part is under the cap."""
     rows = blocks.ROWS
     s = rng.normal(size=(rows, rows))
