@@ -129,12 +129,12 @@ def attention_case(spec: str) -> dict:
                                        algorithm=algorithm or None)
 
     @jax.jit
-    def fwd_bwd(q, k, v, log_g):
+    def fwd_bwd(q, k, v, log_g, ct):  # ct an argument, as benchmark.run_case has it
         y, vjp = jax.vjp(attention, q, k, v, log_g)
         return vjp(ct.astype(y.dtype))
 
     return {"case": spec, "kind": "attention",
-            **traced(fwd_bwd, q, k, v, log_g, reps=_REPS.value)}
+            **traced(fwd_bwd, q, k, v, log_g, ct, reps=_REPS.value)}
 
 
 def main(argv):
