@@ -2,14 +2,16 @@
 
 Arguments are validated here (ValueErrors that name the argument and the shapes), the
 implementation is chosen from the one table (`implementations.py`), and the custom_vjp is
-applied once, with the static settings in one frozen `AttentionConfig`. Its forward saves
-only the inputs; the backward recomputes the forward of the chosen implementation under
-jax.vjp, so no per-chunk intermediate outlives the call.
+applied once, with the static settings in one frozen `AttentionConfig`. Its forward runs the
+chosen implementation under jax.vjp and keeps what that saves (the kernels' own residuals,
+each primitive's custom_vjp), so a gradient runs the forward once. Callers who would rather
+recompute it than hold those residuals wrap the call (or their layer) in jax.checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -113,10 +115,11 @@ def _forward(config: AttentionConfig, q, k, v, log_g) -> Array:
 
 
 class Residuals(NamedTuple):
-    q: Array
-    k: Array
-    v: Array
-    log_g: Array | None
+    # dy -> (dq, dk, dv, dlog_g): jax.vjp's function of the forward, holding the residuals
+    # the implementation's primitives saved. Until 2026-11-25 only (q, k, v, log_g) were
+    # kept and the backward ran the forward again: a GPT-2 small step at 4k and 64k context
+    # ran every attention forward twice (10 % of its time on an H100, docs/benchmarks.md).
+    backward: Callable
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -125,12 +128,13 @@ def _attention(config: AttentionConfig, q, k, v, log_g):
 
 
 def _attention_fwd(config, q, k, v, log_g):
-    return _forward(config, q, k, v, log_g), Residuals(q, k, v, log_g)
+    y, backward = jax.vjp(functools.partial(_forward, config), q, k, v, log_g)
+    return y, Residuals(backward)
 
 
 def _attention_bwd(config, residuals: Residuals, dy):
-    _, vjp = jax.vjp(functools.partial(_forward, config), *residuals)
-    return vjp(dy)
+    del config  # static; the residuals' function already carries it
+    return residuals.backward(dy)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

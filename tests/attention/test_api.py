@@ -46,6 +46,33 @@ def test_invalid_arguments_raise(rng, change, match):
         sympow.sympow_attention(**args)
 
 
+@pytest.mark.parametrize(("impl", "algorithm"), [("xla", "chunked"), ("xla", "attention"),
+                                                ("reference", None)])
+def test_a_gradient_runs_the_forward_once(rng, monkeypatch, impl, algorithm):
+    """The custom_vjp keeps the forward's residuals (jax.vjp's function) instead of running
+    the implementation again in the backward: a jitted gradient executes the forward once
+    (a callback inside it counts; twice when the backward recomputed it), and the gradients
+    are those of differentiating the implementation directly."""
+    from sympow.attention import api
+
+    q, k, v, log_g = attention_inputs(rng, b=1, t=40, hq=2, hk=2, d=8, e=8)
+    forward, executions = api._forward, []
+
+    def counted_forward(config, *x):
+        jax.debug.callback(lambda: executions.append(config))
+        return forward(config, *x)
+
+    monkeypatch.setattr(api, "_forward", counted_forward)
+    settings = dict(p=2, impl=impl, algorithm=algorithm, chunk_size=16 if impl == "xla" else None)
+    loss = lambda *x: (sympow.sympow_attention(*x, **settings) ** 2).sum()  # noqa: E731
+    grads = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, log_g))
+    assert len(executions) == 1, executions
+    direct = jax.grad(lambda *x: (forward(executions[0], *x) ** 2).sum(), argnums=(0, 1, 2, 3))(
+        q, k, v, log_g)
+    for got, want in zip(grads, direct, strict=True):
+        assert rel_err(got, want) < 1e-6
+
+
 def test_integer_inputs_raise(rng):
     q, k, v, _ = attention_inputs(rng, t=3)
     with pytest.raises(ValueError, match="floating point"):
