@@ -4,6 +4,8 @@
       --out=$OUT
   PYTHONPATH=. python3 experiments/kernel_profile.py --decode= \
       --attention=mosaic_gpu:chunked:65536:8 --out=$OUT
+  PYTHONPATH=. python3 experiments/kernel_profile.py --decode= \
+      --train=conformal:2:4096,softmax:0:4096 --out=$OUT
 
 ncu crashed on the H100 machine and nsys is not installed there (docs/benchmarks.md);
 `jax.profiler.trace` records the device's kernels through CUPTI and
@@ -13,6 +15,8 @@ Decode cases `variant:p:prompt[:batch]`: GPT-2 small at bf16 parameters and comp
 decode benchmark's model), prefilled on random tokens (the step's work does not depend on
 them), then a jitted device loop of --steps greedy decode steps (generate's loop) traced
 --reps times, with each step of --decode_steps (the blocks' own decode, the fused step).
+Training cases `variant:p:T`: one step of GPT-2 small at bf16 compute (Adam, 65,536 tokens
+of random ids; the state is not donated, so each traced call starts from the same one).
 Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
@@ -33,6 +37,8 @@ from timing import hlo_kernels, summarize_kernels, trace_kernels  # noqa: E402
 _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
                             "decode cases variant:p:prompt[:batch]")
 _ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:T:H")
+_TRAIN = flags.DEFINE_list("train", [], "training-step cases variant:p:T (GPT-2 small, "
+                           "65,536 tokens a step)")
 _STEPS = flags.DEFINE_integer("steps", 16, "decode steps per traced call", lower_bound=1)
 _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
                                   "decode steps to profile: blocks (each block's decode), "
@@ -137,11 +143,41 @@ def attention_case(spec: str) -> dict:
             **traced(fwd_bwd, q, k, v, log_g, ct, reps=_REPS.value)}
 
 
+def train_case(spec: str) -> dict:
+    """One training step of GPT-2 small (bf16 compute, Adam, 65,536 tokens of random ids;
+    the kernels do not depend on the ids), as model_benchmark.py's training cases run it."""
+    import jax
+    from flax import nnx
+
+    from sympow.layers import GPT, GPTConfig
+    from sympow.train.model import gpt_config, model_def
+    from sympow.train.optim import make_optimizer
+    from sympow.train.steps import init_train_state, make_train_step
+
+    variant, p, t = spec.split(":")
+    t = int(t)
+    rows = max(1, 65536 // t)
+    extra = {} if variant == "softmax" else {"p": int(p)}
+    config = gpt_config(GPTConfig.preset(variant, "small", dtype="bfloat16", max_length=t,
+                                         **extra).__dict__)
+    _, params, rest = nnx.split(GPT(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    optimizer, schedule = make_optimizer({"name": "adam", "learning_rate": 6e-4}, 100)
+    state = init_train_state(params, rest, optimizer, seed=0)
+    step = jax.jit(make_train_step(model_def(config.__dict__), optimizer, schedule))
+    # the whole (state, metrics) out: a loss alone would let XLA drop the backward
+    ids = jax.random.randint(jax.random.PRNGKey(1), (rows, t + 1), 0, 50257)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    return {"case": spec, "kind": "train",
+            **traced(step, state, inputs, labels, reps=_REPS.value)}
+
+
 def main(argv):
     del argv
     import jax
 
     results = []
+    for spec in _TRAIN.value:
+        results.append(train_case(spec))
     for spec in _DECODE.value:
         for step in _DECODE_STEPS.value:
             results.append(decode_case(spec, step))
