@@ -163,8 +163,8 @@ def train_case(spec: str) -> dict:
     _, params, rest = nnx.split(GPT(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
     optimizer, schedule = make_optimizer({"name": "adam", "learning_rate": 6e-4}, 100)
     state = init_train_state(params, rest, optimizer, seed=0)
+    # traced whole, (state, metrics) out: a loss alone would let XLA drop the backward
     step = jax.jit(make_train_step(model_def(config.__dict__), optimizer, schedule))
-    # the whole (state, metrics) out: a loss alone would let XLA drop the backward
     ids = jax.random.randint(jax.random.PRNGKey(1), (rows, t + 1), 0, 50257)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     return {"case": spec, "kind": "train",
