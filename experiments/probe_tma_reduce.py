@@ -5,9 +5,9 @@ kept in flight ...", 2026-11-25), measured before it is built:
    of float32 [64, 64] tiles issued from every SM, against plain TMA stores of the same
    tiles: the dQ partials' traffic, at several target sizes (L2-resident to HBM);
 2. wgmma with the A operand read transposed from shared memory (ds^T stored, ds read),
-   with B 64 or 16 columns wide (an N = 16 product against a ones operand sums rows; 16
-   bf16 columns are the narrowest tile the 32-byte swizzle takes), each
-   against jnp.
+   each against jnp, with B 64 or 16 columns wide: the N = 16 product (against a ones
+   operand it would sum rows) is the narrowest the 32-byte swizzle takes, and Mosaic GPU's
+   layout inference rejects it (recorded as the row's error; measured 2026-11-25).
 
   PYTHONPATH=. python3 experiments/probe_tma_reduce.py --out=$OUT
 
