@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import timed  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import attention_inputs, timed  # noqa: E402  (experiments/timing.py, beside this script)
 
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
@@ -53,14 +53,7 @@ D = 64
 
 
 def make_inputs(t: int, h: int, seed: int = 0):
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    shape = (_TOKENS.value // t, t, h, D)
-    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:4])
-    log_g = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], shape[:3], jnp.float32))
-    return q, k, v, log_g, ct
+    return attention_inputs(t, h, tokens=_TOKENS.value, seed=seed, d=D)
 
 
 def attention_fn(impl: str, chunk: int | None = None):

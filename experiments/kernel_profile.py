@@ -32,7 +32,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import hlo_kernels, summarize_kernels, trace_kernels  # noqa: E402
+from timing import (  # noqa: E402
+    attention_inputs,
+    hlo_kernels,
+    summarize_kernels,
+    trace_kernels,
+)
 
 _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
                             "decode cases variant:p:prompt[:batch]")
@@ -119,16 +124,11 @@ def decode_case(spec: str, step_name: str) -> dict:
 
 def attention_case(spec: str) -> dict:
     import jax
-    import jax.numpy as jnp
 
     import sympow
 
     impl, algorithm, t, h = spec.split(":")
-    t, h = int(t), int(h)
-    keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    shape = (max(1, 65536 // t), t, h, 64)
-    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:4])
-    log_g = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], shape[:3], jnp.float32))
+    q, k, v, log_g, ct = attention_inputs(int(t), int(h))
 
     def attention(q, k, v, log_g):
         return sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl,

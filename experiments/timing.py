@@ -1,9 +1,24 @@
 """The one timing rule of the GPU scripts (benchmark.py, profile_states.py,
 model_benchmark.py) and the tracing and reading of jax.profiler traces (kernel_profile.py,
-tune_decode_linear.py)."""
+tune_decode_linear.py), and the attention benchmarks' inputs (benchmark.py, kernel_profile.py,
+ncu_profile.py)."""
 
 import statistics
 import time
+
+
+def attention_inputs(t: int, h: int, *, tokens: int = 65536, seed: int = 0, d: int = 64):
+    """(q, k, v, log_g, ct) of the attention benchmarks: bf16 [tokens // t, t, h, d] standard
+    normals (ct the output's cotangent) and float32 log gates log_sigmoid(3 + N(0, 1))
+    [tokens // t, t, h] (gates near 0.95, as trained models' are)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    shape = (max(1, tokens // t), t, h, d)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:4])
+    log_g = jax.nn.log_sigmoid(3.0 + jax.random.normal(keys[4], shape[:3], jnp.float32))
+    return q, k, v, log_g, ct
 
 
 def timed_call(fn, *args, reps: int, warmup: int = 1):
