@@ -146,11 +146,11 @@ class _KeyWalk:
             x.at[self.b, self.hk, self.n, pl.ds((self.top - step) * ROWS, ROWS)]
             for x in (k_ref, v_ref, tl_ref, tail_factor_ref)))
 
-    def gates(self, slot):
-        """(tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a step's key
-        block: both waited on every step, used or not (`Ring.wait`)."""
-        tail_smem = self.ring.wait(slot, 2)
-        return tail_smem, plgpu.load(self.ring.wait(slot, 3), (), layout=COL_VECTOR)
+    def blocks(self, slot):
+        """(k, v, tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a
+        step's key block from a joint ring, once all have landed."""
+        k_smem, v_smem, tail_smem, tail_factor_smem = self.ring.wait(slot)
+        return k_smem, v_smem, tail_smem, plgpu.load(tail_factor_smem, (), layout=COL_VECTOR)
 
     def decays(self, a_smem, hd_smem, ones_smem):
         """(decay, head): decay(tail_smem, mid, on_diagonal) -> D log2(e) [ROWS, ROWS] of a
@@ -198,8 +198,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
         def visit(step, carry, on_diagonal: bool):
             acc, m2, den, size, mid = carry
             slot = ring.slot(step)
-            s = _scores(q_smem.at[wg], ring.wait(slot, 0))
-            tail_smem, tail_factor = walk.gates(slot)
+            k_smem, v_smem, tail_smem, tail_factor = walk.blocks(slot)
+            s = _scores(q_smem.at[wg], k_smem)
             magnitude = jnp.abs(s)
             if on_diagonal:
                 magnitude = jnp.where(cols <= rows, magnitude, 0.0)
@@ -222,7 +222,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
                     exact)
             alpha = jnp.exp2(m2 - finite(m_new))
             den = den * alpha + w.sum(axis=1)
-            acc = accumulate(acc * by_rows(alpha, acc.shape), w, ring.wait(slot, 1))
+            acc = accumulate(acc * by_rows(alpha, acc.shape), w, v_smem)
             ring.release(slot)
             return acc, m_new, den, jnp.maximum(size, top), mid + total
 
@@ -258,7 +258,7 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     tiles = c // TILE_ROWS
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
-    ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages)
+    ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, joint=True)
     out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
@@ -307,9 +307,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             dq, dhead, ddiag, totals, mid = carry
             slot = ring.slot(step)
             key_block = walk.top - step
-            k_smem = ring.wait(slot, 0)
+            k_smem, v_smem, tail_smem, tail_factor = walk.blocks(slot)
             s = _scores(q_smem.at[wg], k_smem)
-            tail_smem, tail_factor = walk.gates(slot)
             if on_diagonal:
                 exponent = jnp.where(cols <= rows, decay_of(tail_smem, mid, True)
                                      - by_rows(shift), -jnp.inf)
@@ -318,7 +317,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
                 factors = (by_rows(capped_exp2(head + mid * LOG2E - shift)),
                            by_cols(tail_factor))
             w, dsdw = power_terms(s, factors, by_rows(scale), by_rows(p_scale), p)
-            dw = _scores(do_smem.at[wg], ring.wait(slot, 1)) + by_rows(dden)
+            dw = _scores(do_smem.at[wg], v_smem) + by_rows(dden)
             dl = w * dw
             ds = dsdw * dw
             dq = accumulate(dq, ds, k_smem)
@@ -464,7 +463,8 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                   jax.ShapeDtypeStruct((b, hq, n, blocks, slots), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
                               tile(ROWS)),
-                 bars(7), *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages),
+                 bars(7),
+                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, joint=True),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
                   *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR, VECTOR,
                                tile(ROWS), tile(ROWS)))),

@@ -175,30 +175,45 @@ def accumulate(acc, weights, b_ref):
 class Ring:
     """Blocks of several arrays in `stages` shared-memory slots, fetched by the memory
     warpgroup and released by both compute warpgroups (arrays: [stages, ...] refs; loaded:
-    one barrier ring per array; freed: a ring with COMPUTE_WGS arrivals)."""
+    a barrier ring per array, or for a joint ring one barrier per slot on which each of a
+    step's copies arrives with its bytes; freed: a ring with COMPUTE_WGS arrivals).
+
+    A joint ring costs a consumer one barrier check a step instead of one per array: each
+    check is a round trip, and in the forward kernel the four checks of a step held ~20 %
+    of the compute warps' stall samples (ncu, H100, 2026-11-25), most for blocks already
+    there. Kernels that use a block long after the first (the backward's) keep a barrier
+    per array, so a step starts on its first block (docs/kernels.md)."""
 
     arrays: Sequence
-    loaded: Sequence
+    loaded: object
     freed: object
 
     @property
     def stages(self) -> int:
         return self.arrays[0].shape[0]
 
+    @property
+    def joint(self) -> bool:
+        return not isinstance(self.loaded, tuple | list)
+
     @staticmethod
-    def scratch(specs: Sequence, stages: int):
+    def scratch(specs: Sequence, stages: int, *, joint: bool = False):
         """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
         dtype, tiled): `tile`, `VECTOR`)."""
         arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
-        return (arrays, tuple(plgpu.Barrier(num_barriers=stages) for _ in specs),
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages))
+        loaded = (plgpu.Barrier(num_arrivals=len(specs), num_barriers=stages) if joint
+                  else tuple(plgpu.Barrier(num_barriers=stages) for _ in specs))
+        return arrays, loaded, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
+
+    def _loaded(self, index: int):
+        return self.loaded if self.joint else self.loaded[index]
 
     def fill(self, steps, sources: Callable) -> None:
         """Memory warpgroup: the blocks `sources(step)` (GMEM refs, one per array) of steps
         0 .. steps - 1, each into slot step % stages once both consumers freed it."""
         def fetch(step, slot):
-            for src, dst, bar in zip(sources(step), self.arrays, self.loaded, strict=True):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+            for index, (src, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], self._loaded(index).at[slot])
 
         for step in range(self.stages):
             pl.when(step < steps)(lambda step=step: fetch(step, step))
@@ -212,12 +227,18 @@ class Ring:
     def slot(self, step):
         return lax.rem(step, self.stages)
 
-    def wait(self, slot, index: int):
-        """Array `index`'s block in `slot`, once it has landed. A consumer waits for every
-        array of every step it visits, used or not: each wait advances this thread's phase
-        bit of that barrier, so a skipped wait would leave it one phase behind when the slot
-        comes round again (a deadlock)."""
-        plgpu.barrier_wait(self.loaded[index].at[slot])
+    def wait(self, slot, index: int | None = None):
+        """Array `index`'s block in `slot` once it has landed, or for a joint ring (index
+        None) every array's block once all have. A consumer waits for every array (joint:
+        every slot) of every step it visits, used or not: each wait advances this thread's
+        phase bit of that barrier, so a skipped wait would leave it one phase behind when
+        the slot comes round again (a deadlock)."""
+        if self.joint != (index is None):
+            raise ValueError(f"a {'joint' if self.joint else 'per-array'} ring is waited "
+                             f"{'without' if self.joint else 'with'} an index; got {index}")
+        plgpu.barrier_wait(self._loaded(index or 0).at[slot])
+        if self.joint:
+            return tuple(array.at[slot] for array in self.arrays)
         return self.arrays[index].at[slot]
 
     def release(self, slot) -> None:
@@ -227,7 +248,7 @@ class Ring:
         """A step this warpgroup does not need: waited for (every barrier's phase stays in
         step with the other warpgroup's) and released."""
         slot = self.slot(step)
-        for index in range(len(self.arrays)):
+        for index in [None] if self.joint else range(len(self.arrays)):
             self.wait(slot, index)
         self.release(slot)
 

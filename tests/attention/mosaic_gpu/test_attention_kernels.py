@@ -180,3 +180,24 @@ def test_the_backward_factors_are_the_capped_exponential(rng, p):
     rtol = 4 * 2.0 ** -24 * 128
     for got, want in zip(split, exact, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=0)
+
+
+def test_a_joint_ring_has_one_barrier_per_slot_that_every_copy_arrives_on():
+    specs = [blocks.tile(64), blocks.tile(128), blocks.VECTOR]
+    arrays, loaded, freed = blocks.Ring.scratch(specs, 3, joint=True)
+    assert [a.shape for a in arrays] == [(3, 64, 64), (3, 64, 128), (3, 64)]
+    # plgpu.Barrier keeps its count of barriers as a shape
+    assert (loaded.num_arrivals, loaded.num_barriers) == (3, (3,))  # one arrival per copy
+    assert (freed.num_arrivals, freed.num_barriers) == (blocks.COMPUTE_WGS, (3,))
+    _, per_array, _ = blocks.Ring.scratch(specs, 2)
+    assert [(b.num_arrivals, b.num_barriers) for b in per_array] == [(1, (2,))] * 3
+
+
+def test_a_ring_is_waited_the_way_it_was_built():
+    joint = blocks.Ring(arrays=(), loaded=object(), freed=None)
+    per_array = blocks.Ring(arrays=(), loaded=(object(),), freed=None)
+    assert joint.joint and not per_array.joint
+    with pytest.raises(ValueError, match="joint ring is waited without an index; got 0"):
+        joint.wait(0, 0)
+    with pytest.raises(ValueError, match="per-array ring is waited with an index; got None"):
+        per_array.wait(0)
