@@ -7,7 +7,7 @@
   PYTHONPATH=. python3 experiments/kernel_profile.py --decode= \
       --train=conformal:2:4096,softmax:0:4096 --out=$OUT
 
-ncu crashed on the H100 machine and nsys is not installed there (docs/benchmarks.md);
+nsys is not installed on the GPU machine (ncu runs there: experiments/ncu_profile.py);
 `jax.profiler.trace` records the device's kernels through CUPTI and
 `jax.profiler.ProfileData` reads the trace back, so this runs wherever jax does.
 
