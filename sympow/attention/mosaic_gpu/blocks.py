@@ -205,7 +205,8 @@ class Ring:
                   else tuple(plgpu.Barrier(num_barriers=stages) for _ in specs))
         return arrays, loaded, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
 
-    def _loaded(self, index: int):
+    def _loaded(self, index: int | None):
+        """The barrier ring of array `index` (a joint ring's one ring for any index)."""
         return self.loaded if self.joint else self.loaded[index]
 
     def fill(self, steps, sources: Callable) -> None:
@@ -236,7 +237,7 @@ class Ring:
         if self.joint != (index is None):
             raise ValueError(f"a {'joint' if self.joint else 'per-array'} ring is waited "
                              f"{'without' if self.joint else 'with'} an index; got {index}")
-        plgpu.barrier_wait(self._loaded(index or 0).at[slot])
+        plgpu.barrier_wait(self._loaded(index).at[slot])
         if self.joint:
             return tuple(array.at[slot] for array in self.arrays)
         return self.arrays[index].at[slot]
