@@ -148,7 +148,7 @@ class _KeyWalk:
 
     def blocks(self, slot):
         """(k, v, tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a
-        step's key block from a joint ring, once all have landed."""
+        step's key block, once all have landed (one barrier group)."""
         k_smem, v_smem, tail_smem, tail_factor_smem = self.ring.wait(slot)
         return k_smem, v_smem, tail_smem, plgpu.load(tail_factor_smem, (), layout=COL_VECTOR)
 
@@ -182,7 +182,8 @@ class _KeyWalk:
 def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_ref, den_ref,
                 m_ref, c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p,
                 groups, tiles):
-    walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
+    walk = _KeyWalk.of(q_ref, tiles, groups,
+                       Ring.of(ring_arrays, ring_loaded, ring_freed, _KEY_GROUPS))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
     @pl.when(wg < COMPUTE_WGS)
@@ -239,6 +240,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
     pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref))
 
 
+# The key blocks' barrier group (`Ring`): a forward or dQ step uses k, v, tail and exp(tail)
+# at once. The dK dV kernel's query blocks keep a barrier each: it uses q long before dO,
+# and a group of q, m, head, c and one of dO, dden made it slower (docs/kernels.md).
+_KEY_GROUPS = ((0, 1, 2, 3),)
+
+
 def _block_totals(a):
     return a.reshape(*a.shape[:-1], a.shape[-1] // ROWS, ROWS).sum(axis=-1)
 
@@ -258,7 +265,7 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     tiles = c // TILE_ROWS
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
-    ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, joint=True)
+    ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, _KEY_GROUPS)
     out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
@@ -273,7 +280,8 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
 def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref, do_ref,
                dden_ref, tf_ref, dq_ref, dhead_ref, ddiag_ref, pairs_ref, own, own_bars,
                ring_arrays, ring_loaded, ring_freed, out, *, p, groups, tiles):
-    walk = _KeyWalk.of(q_ref, tiles, groups, Ring(ring_arrays, ring_loaded, ring_freed))
+    walk = _KeyWalk.of(q_ref, tiles, groups,
+                       Ring.of(ring_arrays, ring_loaded, ring_freed, _KEY_GROUPS))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
 
     @pl.when(wg < COMPUTE_WGS)
@@ -291,20 +299,35 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
         shift = plgpu.load(m_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E + p * c
         scale = jnp.exp2(c)
         dden = plgpu.load(dden_smem.at[wg], (), layout=ROW_VECTOR)
-        slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
+        sums_smem = sums_smem.at[wg]  # [pair slot, query row]: the steps' row sums of dl
+        group = sums_smem.shape[0]  # pairs per flush
         rows, cols = indices()
+        slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
 
-        def block_total(step, row_sums):
-            """sum_i row_sums_i in every entry of a row vector: the rows' values pass
-            through shared memory into the columns' layout, whose sum stays in each warp
-            (two buffers alternate, so a step never overwrites one still being read)."""
-            buf = sums_smem.at[wg, lax.rem(step, 2)]
-            buf[...] = row_sums
+        def flush_totals(key_block):
+            """Stores the block-pair totals of the steps since the last flush, key blocks
+            key_block .. key_block + group - 1 (those below I). A total sums across a
+            wgmma result's rows, which span warps: each step wrote its row sums of dl to its
+            pair's row of shared memory without a barrier; here one barrier makes them
+            visible, each row is read in the columns' layout and summed within each warp,
+            and the store's barrier keeps the next steps' writes behind every warp's
+            reads."""
             plgpu.commit_smem()
-            return by_cols(plgpu.load(buf, (), layout=COL_VECTOR)).sum(axis=1)
+            offset = lax.rem(key_block, ROWS)
+
+            def total(slot, totals):
+                row = plgpu.load(sums_smem.at[slot], (), layout=COL_VECTOR)
+                return jnp.where(slots == offset + slot, by_cols(row).sum(axis=1), totals)
+
+            written = jnp.minimum(group, walk.block - key_block)  # the pairs J < I
+            pair_smem.at[wg][...] = lax.fori_loop(0, written, total, row_vector(0.0))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(pair_smem.at[wg, pl.ds(offset, group)],
+                                    pairs_ref.at[b, hq, n, walk.block, pl.ds(key_block, group)])
+            plgpu.wait_smem_to_gmem(0)
 
         def visit(step, carry, on_diagonal: bool):
-            dq, dhead, ddiag, totals, mid = carry
+            dq, dhead, ddiag, mid = carry
             slot = ring.slot(step)
             key_block = walk.top - step
             k_smem, v_smem, tail_smem, tail_factor = walk.blocks(slot)
@@ -327,21 +350,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref
             else:
                 row_sums = dl.sum(axis=1)
                 dhead = dhead + row_sums
-                slot_of_pair = lax.rem(key_block, ROWS)
-                totals = jnp.where(slots == slot_of_pair, block_total(step, row_sums), totals)
-
-                @pl.when(slot_of_pair == 0)  # 64 block pairs (or the first ones): stored
-                def _flush():
-                    store_own([(totals, pair_smem,
-                                 pairs_ref.at[b, hq, n, walk.block, pl.ds(key_block, ROWS)])],
-                               wg)
-            return dq, dhead, ddiag, totals, mid + tot_ref[b, hk, n, key_block]
+                slot_of_pair = lax.rem(key_block, group)
+                sums_smem.at[slot_of_pair][...] = row_sums
+                # a group of block pairs (or the first ones, the rows of J >= I unwritten):
+                pl.when(slot_of_pair == 0)(lambda: flush_totals(key_block))
+            return dq, dhead, ddiag, mid + tot_ref[b, hk, n, key_block]
 
         p_scale = scale * p
         d = q_ref.shape[-1]
-        dq, dhead, ddiag, _, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0),
-                                                  row_vector(0.0), row_vector(0.0),
-                                                  jnp.zeros((), F32)))
+        dq, dhead, ddiag, _ = walk.run(visit, (zeros((ROWS, d)), row_vector(0.0),
+                                               row_vector(0.0), jnp.zeros((), F32)))
         store_own([(dq.astype(dq_ref.dtype), dq_smem, dq_ref.at[mine]),
                     (dhead, dhead_smem, dhead_ref.at[mine]),
                     (ddiag, ddiag_smem, ddiag_ref.at[mine])], wg)
@@ -359,7 +377,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
     block = start + wg  # J: this warpgroup's key block
     steps = (blocks - start) * groups  # (query block start + step // R, head step % R)
     first = wg * groups  # this warpgroup's first diagonal step
-    ring = Ring(ring_arrays, ring_loaded, ring_freed)
+    ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -385,11 +403,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
             dk, dv, dtail, mid = carry
             slot = ring.slot(step)
             query_block = start + lax.div(step, groups)
-            q_smem = ring.wait(slot, 0)
+            (q_smem,) = ring.wait(slot, 0)
             s = _scores(k_smem.at[wg], q_smem)  # [keys j, queries i]
-            head_smem = ring.wait(slot, 4)  # waited on every step: the barrier phases
-            m2 = plgpu.load(ring.wait(slot, 2), (), layout=COL_VECTOR) * LOG2E
-            c = plgpu.load(ring.wait(slot, 5), (), layout=COL_VECTOR)
+            (head_smem,) = ring.wait(slot, 4)  # waited on every step: the barrier phases
+            m2 = plgpu.load(ring.wait(slot, 2)[0], (), layout=COL_VECTOR) * LOG2E
+            c = plgpu.load(ring.wait(slot, 5)[0], (), layout=COL_VECTOR)
             shift = m2 + p * c
             if on_diagonal:
                 exponent = jnp.where(cols >= rows, diagonal - by_cols(shift), -jnp.inf)
@@ -399,8 +417,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_re
                 factors = (tail_factor, by_cols(capped_exp2((head + mid) * LOG2E - shift)))
             scale = jnp.exp2(c)
             w, dsdw = power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
-            do_smem = ring.wait(slot, 1)
-            dden = plgpu.load(ring.wait(slot, 3), (), layout=COL_VECTOR)
+            (do_smem,) = ring.wait(slot, 1)
+            dden = plgpu.load(ring.wait(slot, 3)[0], (), layout=COL_VECTOR)
             dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
             dl = w * dw
             ds = dsdw * dw
@@ -451,6 +469,10 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
     slots = -(-blocks // ROWS) * ROWS
     totals = _block_totals(a)
+    # The dQ kernel's row sums of dl, per warpgroup: 64 block pairs between flushes (a
+    # barrier and a store each) where that fits in shared memory beside the tiles, 8 when
+    # d or e is 128 (64 would need 258 KB of the 227 KB).
+    pair_group = ROWS if d == e == ROWS else 8
     bars = lambda count: tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS)  # noqa: E731
                                for _ in range(count))
     args = (q, k, v, a, head, tail, totals, m, scales, do, dden, jnp.exp(tail))
@@ -464,9 +486,9 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR, VECTOR,
                               tile(ROWS)),
                  bars(7),
-                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, joint=True),
+                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, _KEY_GROUPS),
                  (swizzled((COMPUTE_WGS, ROWS, d), q.dtype),
-                  *own_scratch(VECTOR, ((2, ROWS), F32, False), VECTOR, VECTOR,
+                  *own_scratch(VECTOR, ((pair_group, ROWS), F32, False), VECTOR, VECTOR,
                                tile(ROWS), tile(ROWS)))),
         grid=(tiles, n, b * hq), grid_names=("tile", "chunk", "bh"), args=args)
     dk, dv, dtail = launch(

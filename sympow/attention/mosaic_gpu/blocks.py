@@ -171,50 +171,65 @@ def accumulate(acc, weights, b_ref):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
+def per_array(count: int) -> tuple[tuple[int, ...], ...]:
+    """The barrier groups of a `Ring` that waits for each of `count` arrays on its own."""
+    return tuple((index,) for index in range(count))
+
+
 @dataclasses.dataclass(frozen=True)
 class Ring:
     """Blocks of several arrays in `stages` shared-memory slots, fetched by the memory
     warpgroup and released by both compute warpgroups (arrays: [stages, ...] refs; loaded:
-    a barrier ring per array, or for a joint ring one barrier per slot on which each of a
-    step's copies arrives with its bytes; freed: a ring with COMPUTE_WGS arrivals).
+    one barrier ring per group of arrays, on which each of the group's copies of a step
+    arrives with its bytes; freed: a ring with COMPUTE_WGS arrivals; groups: the array
+    indices of each barrier group, a partition of the arrays).
 
-    A joint ring costs a consumer one barrier check a step instead of one per array: each
-    check is a round trip, and in the forward kernel the four checks of a step held ~20 %
-    of the compute warps' stall samples (ncu, H100, 2026-11-25), most for blocks already
-    there. Kernels that use a block long after the first (the backward's) keep a barrier
-    per array, so a step starts on its first block (docs/kernels.md)."""
+    A consumer pays one barrier check per group and step: each check is a round trip, and
+    in the forward kernel the four checks of a step held ~20 % of the compute warps' stall
+    samples (ncu, H100, 2026-11-25), most for blocks already there. So the arrays a step
+    uses together share a group, and a kernel that uses some blocks long after the first
+    (the dK dV kernel: dO after the scores) keeps those in a later group, so a step starts
+    on its first block (docs/kernels.md)."""
 
     arrays: Sequence
-    loaded: object
+    loaded: Sequence
     freed: object
+    groups: tuple[tuple[int, ...], ...]
 
     @property
     def stages(self) -> int:
         return self.arrays[0].shape[0]
 
-    @property
-    def joint(self) -> bool:
-        return not isinstance(self.loaded, tuple | list)
-
     @staticmethod
-    def scratch(specs: Sequence, stages: int, *, joint: bool = False):
+    def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None):
         """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
-        dtype, tiled): `tile`, `VECTOR`)."""
+        dtype, tiled): `tile`, `VECTOR`), one barrier ring per group of array indices
+        (default `per_array`)."""
+        groups = _partition(len(specs), groups)
         arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
-        loaded = (plgpu.Barrier(num_arrivals=len(specs), num_barriers=stages) if joint
-                  else tuple(plgpu.Barrier(num_barriers=stages) for _ in specs))
+        loaded = tuple(plgpu.Barrier(num_arrivals=len(group), num_barriers=stages)
+                       for group in groups)
         return arrays, loaded, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
 
-    def _loaded(self, index: int | None):
-        """The barrier ring of array `index` (a joint ring's one ring for any index)."""
-        return self.loaded if self.joint else self.loaded[index]
+    @staticmethod
+    def of(arrays, loaded, freed, groups: Sequence[Sequence[int]] | None = None) -> Ring:
+        """The ring over scratch refs allocated by `scratch` with the same groups."""
+        groups = _partition(len(arrays), groups)
+        if len(loaded) != len(groups):
+            raise ValueError(f"{len(groups)} barrier groups need as many barrier rings; "
+                             f"got {len(loaded)}")
+        return Ring(tuple(arrays), tuple(loaded), freed, groups)
+
+    def _group_of(self, index: int) -> int:
+        return next(g for g, group in enumerate(self.groups) if index in group)
 
     def fill(self, steps, sources: Callable) -> None:
         """Memory warpgroup: the blocks `sources(step)` (GMEM refs, one per array) of steps
         0 .. steps - 1, each into slot step % stages once both consumers freed it."""
         def fetch(step, slot):
             for index, (src, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], self._loaded(index).at[slot])
+                barrier = self.loaded[self._group_of(index)]
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
         for step in range(self.stages):
             pl.when(step < steps)(lambda step=step: fetch(step, step))
@@ -228,19 +243,14 @@ class Ring:
     def slot(self, step):
         return lax.rem(step, self.stages)
 
-    def wait(self, slot, index: int | None = None):
-        """Array `index`'s block in `slot` once it has landed, or for a joint ring (index
-        None) every array's block once all have. A consumer waits for every array (joint:
-        every slot) of every step it visits, used or not: each wait advances this thread's
-        phase bit of that barrier, so a skipped wait would leave it one phase behind when
-        the slot comes round again (a deadlock)."""
-        if self.joint != (index is None):
-            raise ValueError(f"a {'joint' if self.joint else 'per-array'} ring is waited "
-                             f"{'without' if self.joint else 'with'} an index; got {index}")
-        plgpu.barrier_wait(self._loaded(index).at[slot])
-        if self.joint:
-            return tuple(array.at[slot] for array in self.arrays)
-        return self.arrays[index].at[slot]
+    def wait(self, slot, group: int = 0) -> tuple:
+        """The blocks in `slot` of the arrays of barrier group `group` (in the group's
+        order) once they have landed. A consumer waits for every group of every step it
+        visits, used or not: each wait advances this thread's phase bit of that barrier, so
+        a skipped wait would leave it one phase behind when the slot comes round again (a
+        deadlock)."""
+        plgpu.barrier_wait(self.loaded[group].at[slot])
+        return tuple(self.arrays[index].at[slot] for index in self.groups[group])
 
     def release(self, slot) -> None:
         plgpu.barrier_arrive(self.freed.at[slot])
@@ -249,9 +259,19 @@ class Ring:
         """A step this warpgroup does not need: waited for (every barrier's phase stays in
         step with the other warpgroup's) and released."""
         slot = self.slot(step)
-        for index in [None] if self.joint else range(len(self.arrays)):
-            self.wait(slot, index)
+        for group in range(len(self.groups)):
+            self.wait(slot, group)
         self.release(slot)
+
+
+def _partition(count: int, groups) -> tuple[tuple[int, ...], ...]:
+    """`groups` as tuples, checked to hold each of the `count` array indices once."""
+    groups = per_array(count) if groups is None else tuple(tuple(g) for g in groups)
+    flat = sorted(index for group in groups for index in group)
+    if flat != list(range(count)) or not all(groups):
+        raise ValueError(f"ring groups must split the array indices 0..{count - 1} into "
+                         f"non-empty groups, each index once; got {groups}")
+    return groups
 
 
 def launch(body, *, name: str, out_type, scratch, grid, grid_names, args):

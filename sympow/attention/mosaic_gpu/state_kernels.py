@@ -111,7 +111,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
     steps = groups * row_blocks
 
     def kernel(xt_ref, col_ref, a_ref, s_ref, ring_arrays, ring_loaded, ring_freed, out):
-        ring = Ring(ring_arrays, ring_loaded, ring_freed)
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, hk, chunk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads), lax.axis_index("chunk")
         first = lax.axis_index("features") * per_program  # this program's first i
@@ -123,12 +123,12 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
             def accumulate_all(*acc_refs):
                 def visit(step, _):
                     slot = ring.slot(step)
-                    xt_block = plgpu.load(ring.wait(slot, 0), (), layout=WGMMA)  # [D, ROWS]
-                    col_rows = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of the block
+                    xt_block = plgpu.load(ring.wait(slot, 0)[0], (), layout=WGMMA)  # [D, ROWS]
+                    (col_rows,) = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of the block
                     scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
                               for t in range(per_wg)]
                     products(acc_refs, [xt_block * by_cols(x.astype(BF16)) for x in scales],
-                             [ring.wait(slot, 2)] * per_wg)
+                             list(ring.wait(slot, 2)) * per_wg)
                     ring.release(slot)
 
                 lax.fori_loop(0, steps, visit, None)
@@ -253,7 +253,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             len(inputs) + len(out_type):]
         parts_smem, parts_bar = rest[:2] if quadratic else (None, None)
         outs = rest[len(parts_scratch):]
-        ring = Ring(ring_arrays, ring_loaded, ring_freed)
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
         kv = lax.div(h, groups)
@@ -274,7 +274,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             def accumulate_all(*acc_refs):
                 def visit(step, _):  # blocks S_i, i = per_step step + u
                     slot = ring.slot(step)
-                    slab = ring.wait(slot, 0)  # [per_step D, E]
+                    (slab,) = ring.wait(slot, 0)  # [per_step D, E]
                     operands, rhs = [], []
                     for u in range(per_step):
                         block = slab.at[pl.ds(u * d, d)]  # S_i [D, E]

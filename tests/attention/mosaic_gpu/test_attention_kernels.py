@@ -19,6 +19,7 @@ SHAPES = [
     (2, 6, 2, 3, 512, 64, 64, 2),  # grouped query heads, several chunks
     (1, 2, 1, 1, 1024, 128, 64, 4),  # wide keys, p = 4
     (1, 2, 2, 1, 256, 64, 128, 2),  # wide values
+    (1, 2, 2, 1, 128, 128, 128, 2),  # wide keys and values: the most shared memory
 ]
 
 
@@ -182,22 +183,29 @@ def test_the_backward_factors_are_the_capped_exponential(rng, p):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=0)
 
 
-def test_a_joint_ring_has_one_barrier_per_slot_that_every_copy_arrives_on():
+def test_a_ring_has_one_barrier_per_group_and_slot_that_each_copy_of_the_group_arrives_on():
     specs = [blocks.tile(64), blocks.tile(128), blocks.VECTOR]
-    arrays, loaded, freed = blocks.Ring.scratch(specs, 3, joint=True)
+    arrays, loaded, freed = blocks.Ring.scratch(specs, 3, groups=[(0, 2), (1,)])
     assert [a.shape for a in arrays] == [(3, 64, 64), (3, 64, 128), (3, 64)]
-    # plgpu.Barrier keeps its count of barriers as a shape
-    assert (loaded.num_arrivals, loaded.num_barriers) == (3, (3,))  # one arrival per copy
+    # plgpu.Barrier keeps its count of barriers as a shape; one arrival per copy
+    assert [(b.num_arrivals, b.num_barriers) for b in loaded] == [(2, (3,)), (1, (3,))]
     assert (freed.num_arrivals, freed.num_barriers) == (blocks.COMPUTE_WGS, (3,))
     _, per_array, _ = blocks.Ring.scratch(specs, 2)
     assert [(b.num_arrivals, b.num_barriers) for b in per_array] == [(1, (2,))] * 3
+    assert blocks.Ring.of(arrays, loaded, freed, [(0, 2), (1,)]).groups == ((0, 2), (1,))
+    assert blocks.Ring.of(arrays, (None,) * 3, freed).groups == ((0,), (1,), (2,))
 
 
-def test_a_ring_is_waited_the_way_it_was_built():
-    joint = blocks.Ring(arrays=(), loaded=object(), freed=None)
-    per_array = blocks.Ring(arrays=(), loaded=(object(),), freed=None)
-    assert joint.joint and not per_array.joint
-    with pytest.raises(ValueError, match="joint ring is waited without an index; got 0"):
-        joint.wait(0, 0)
-    with pytest.raises(ValueError, match="per-array ring is waited with an index; got None"):
-        per_array.wait(0)
+@pytest.mark.parametrize("groups", [[(0, 1)], [(0, 1), (1, 2)], [(0, 1, 2, 3)], [(0, 1), (),
+                                                                                 (2,)]])
+def test_ring_groups_must_split_the_arrays(groups):
+    specs = [blocks.tile(64), blocks.tile(64), blocks.VECTOR]
+    with pytest.raises(ValueError, match="ring groups must split the array indices 0..2"):
+        blocks.Ring.scratch(specs, 2, groups=groups)
+
+
+def test_a_ring_needs_a_barrier_ring_per_group():
+    arrays, loaded, freed = blocks.Ring.scratch([blocks.VECTOR, blocks.VECTOR], 2)
+    with pytest.raises(ValueError, match="1 barrier groups need as many barrier rings; got 2"):
+        blocks.Ring.of(arrays, loaded, freed, [(0, 1)])
+
