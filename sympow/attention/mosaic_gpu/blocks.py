@@ -187,9 +187,10 @@ class Ring:
     A consumer pays one barrier check per group and step: each check is a round trip, and
     in the forward kernel the four checks of a step held ~20 % of the compute warps' stall
     samples (ncu, H100, 2026-11-25), most for blocks already there. So the arrays a step
-    uses together share a group, and a kernel that uses some blocks long after the first
-    (the dK dV kernel: dO after the scores) keeps those in a later group, so a step starts
-    on its first block (docs/kernels.md)."""
+    uses at once share a group (forward, dQ); a kernel that uses its blocks at different
+    points of a step (dK dV: q for the scores, m, head and c for the weights, dO after)
+    keeps a group per array, so each wait is for the block needed next: every grouping of
+    its blocks measured slower (docs/kernels.md)."""
 
     arrays: Sequence
     loaded: Sequence
