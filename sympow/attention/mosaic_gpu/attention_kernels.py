@@ -242,7 +242,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
 
 # The key blocks' barrier group (`Ring`): a forward or dQ step uses k, v, tail and exp(tail)
 # at once. The dK dV kernel's query blocks keep a barrier each: it uses q long before dO,
-# and a group of q, m, head, c and one of dO, dden made it slower (docs/kernels.md).
+# and both groupings tried ((q, m, head, c) with (dO, dden); q with the other five) made it
+# slower (docs/kernels.md).
 _KEY_GROUPS = ((0, 1, 2, 3),)
 
 

@@ -171,11 +171,6 @@ def accumulate(acc, weights, b_ref):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def per_array(count: int) -> tuple[tuple[int, ...], ...]:
-    """The barrier groups of a `Ring` that waits for each of `count` arrays on its own."""
-    return tuple((index,) for index in range(count))
-
-
 @dataclasses.dataclass(frozen=True)
 class Ring:
     """Blocks of several arrays in `stages` shared-memory slots, fetched by the memory
@@ -205,7 +200,7 @@ class Ring:
     def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None):
         """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
         dtype, tiled): `tile`, `VECTOR`), one barrier ring per group of array indices
-        (default `per_array`)."""
+        (default: one group per array)."""
         groups = _partition(len(specs), groups)
         arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
         loaded = tuple(plgpu.Barrier(num_arrivals=len(group), num_barriers=stages)
@@ -266,8 +261,10 @@ class Ring:
 
 
 def _partition(count: int, groups) -> tuple[tuple[int, ...], ...]:
-    """`groups` as tuples, checked to hold each of the `count` array indices once."""
-    groups = per_array(count) if groups is None else tuple(tuple(g) for g in groups)
+    """`groups` as tuples (None: one group per array), checked to hold each of the `count`
+    array indices once."""
+    groups = (tuple((index,) for index in range(count)) if groups is None
+              else tuple(tuple(g) for g in groups))
     flat = sorted(index for group in groups for index in group)
     if flat != list(range(count)) or not all(groups):
         raise ValueError(f"ring groups must split the array indices 0..{count - 1} into "
