@@ -111,33 +111,40 @@ def bf16_parts(x):
     return (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16), middle, high
 
 
-def straddle_sums(dl, part_smem, lower_smem):
+def straddle_sums(dl, part_smem, lower_smem, *, keys_as_rows: bool = False):
     """sum_{i >= k > j} dl_ij for each k of a diagonal block (a row vector), for its pair
-    cotangents dl [ROWS, ROWS] (wgmma layout, zero above the diagonal): the pairs whose
-    in-block decay holds a_k. R = L dl with L[k, i] = [i >= k] written to lower_smem and
-    dl's three bf16 parts passing one at a time through part_smem (both [ROWS, ROWS]), each
-    part's product in its own accumulator (exact products, float32 sums), then each row k
-    of R summed over j < k, within the row's warp. Each sum is of the pairs' own terms (no
-    difference of longer sums), as `chunked.diagonal_straddle`'s.
+    cotangents dl [ROWS, ROWS] (wgmma layout): [i, j] with queries as rows (zero above the
+    diagonal), or with keys_as_rows its transpose [j, i] (zero below). Queries as rows:
+    R = L dl with L[k, i] = [i >= k], so R[k, j] = sum_{i >= k} dl_ij, then each row k
+    summed over j < k; keys as rows: R = L X with L[k, j] = [j < k], so R[k, i] =
+    sum_{j < k} dl_ij, then each row k summed over i >= k. L is written to lower_smem and
+    the tile's three bf16 parts pass one at a time through part_smem (both [ROWS, ROWS]),
+    each part's product in its own accumulator (exact products, float32 sums); the row sums
+    stay within the row's warp. Each sum is of the pairs' own terms (no difference of longer
+    sums), as `chunked.diagonal_straddle`'s.
 
     Both operands come from shared memory: with L as a register operand, rows 0-7 of every
     16 came out as garbage now and then on an H100 (a register operand must outlive the
     asynchronous product reading it, `state_kernels.products`)."""
     plgpu.wgmma_wait(0)  # the caller's products: their register operands outlive them
-    write_mask(lower_smem, lambda k, i: i >= k)
+    if keys_as_rows:
+        lower, kept = (lambda k, j: j < k), (lambda rows, cols: cols >= rows)
+    else:
+        lower, kept = (lambda k, i: i >= k), (lambda rows, cols: cols < rows)
+    write_mask(lower_smem, lower)
     rows, cols = indices()
 
     def product(acc_ref):
         plgpu.wgmma(acc_ref, lower_smem, part_smem)
         return acc_ref[...]
 
-    r = None  # [k, j]: sum_{i >= k} dl_ij
+    r = None
     for part in bf16_parts(dl):
         part_smem[...] = part  # the previous product has been read: its tile is free
         plgpu.commit_smem()
         term = pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
         r = term if r is None else r + term
-    return jnp.where(cols < rows, r, 0.0).sum(axis=1)
+    return jnp.where(kept(rows, cols), r, 0.0).sum(axis=1)
 
 
 def load_own(pairs, wg, bars) -> None:
@@ -273,14 +280,16 @@ def _partition(count: int, groups) -> tuple[tuple[int, ...], ...]:
 
 
 def launch(body, *, name: str, out_type, scratch, grid, grid_names, args):
-    """plgpu.kernel `name` (what profilers show) of `body(*refs, *scratch_refs)` with
-    COMPUTE_WGS + 1 warpgroups (axis 'wg'), the scratch shared by all of them."""
+    """A Mosaic GPU kernel `name` (what profilers show) of `body(*refs, *scratch_refs)` with
+    COMPUTE_WGS + 1 warpgroups (axis 'wg'), the scratch shared by all of them. `args` may
+    hold refs (`jax.new_ref`): the kernel reads and writes them in place, after the
+    operands and before the outputs in `body`'s arguments' order."""
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
 
-    entry.__name__ = name
-    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
-                        num_threads=COMPUTE_WGS + 1, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(
-                            approx_math=True,
-                            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=COMPUTE_WGS + 1,
+                      thread_name="wg")
+    return pl.kernel(entry, out_type=out_type, mesh=mesh, name=name,
+                     compiler_params=plgpu.CompilerParams(
+                         approx_math=True,
+                         lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)

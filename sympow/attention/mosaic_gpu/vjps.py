@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sympow.attention import chunked
-from sympow.attention.mosaic_gpu import attention_kernels, blocks
+from sympow.attention.mosaic_gpu import attention_kernels, backward_kernel, blocks
 from sympow.attention.pallas import attention_kernels as portable_kernels
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.plan import Plan
@@ -106,7 +106,7 @@ def _attention_bwd(plan, res: Residuals, cts):
     nb = c // rows
     head, tail = portable_kernels.block_gate_sums(a, plan)
     do = do.astype(q.dtype)
-    (dq, dhead, ddiag, pairs), (dk, dv, dtail) = attention_kernels.attention_bwd(
+    (dq, dhead, ddiag, pairs), (dk, dv, dtail) = backward_kernel.attention_bwd(
         q, k, v, a, head, tail, m, scales, do, dden, p=plan.p)
     below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]  # [I, J]: the pairs written
     pairs = jnp.where(below, pairs[..., :nb], 0.0)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sympow.attention.mosaic_gpu import attention_kernels, blocks, weights
+from sympow.attention.mosaic_gpu import attention_kernels, backward_kernel, blocks, weights
 
 SHAPES = [
     (1, 2, 2, 1, 128, 64, 64, 2),  # one program: both warpgroups' diagonals
@@ -45,20 +45,29 @@ def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
 
 
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
-def test_the_backward_lowers_to_two_mosaic_gpu_kernels(b, hq, hk, n, c, d, e, p):
+def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
     f32 = jnp.float32
-    text = lowered(lambda *x: attention_kernels.attention_bwd(*x, p=p),
+    text = lowered(lambda *x: backward_kernel.attention_bwd(*x, p=p),
                    *operands(b, hq, hk, n, c, d, e), ((b, hq, n, c), f32), ((b, hq, n, c), f32),
                    ((b, hq, n, c, e), jnp.bfloat16), ((b, hq, n, c), f32))
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     blocks_ = c // blocks.ROWS
-    slots = -(-blocks_ // blocks.ROWS) * blocks.ROWS
-    rows = f"tensor<{b}x{hq}x{n}x{c}xf32>"
-    # dq, dhead, the diagonal straddle sums and the block-pair totals
-    assert (f"tensor<{b}x{hq}x{n}x{c}x{d}xbf16>, {rows}, {rows}, "
-            f"tensor<{b}x{hq}x{n}x{blocks_}x{slots}xf32>") in text
-    assert f"tensor<{b}x{hk}x{n}x{c}x{d}xbf16>, tensor<{b}x{hk}x{n}x{c}x{e}xbf16>, " \
-           f"tensor<{b}x{hk}x{n}x{c}xf32>" in text  # dk, dv, dtail
+    group = blocks.ROWS if d == e == blocks.ROWS else 8
+    columns = -(-blocks_ * (hq // hk) // group) * group
+    # its operands end with the float32 dQ its reductions add into (zeros, aliased); its
+    # outputs: dk, dv, dtail, the diagonal blocks' dQ, the straddle sums, the pair totals
+    assert f"tensor<{b}x{hq}x{n}x{c}x{d}xf32>) -> (" in text
+    assert (f"tensor<{b}x{hk}x{n}x{c}x{d}xbf16>, tensor<{b}x{hk}x{n}x{c}x{e}xbf16>, "
+            f"tensor<{b}x{hk}x{n}x{c}xf32>, tensor<{b}x{hq}x{n}x{c}x{d}xf32>, "
+            f"tensor<{b}x{hq}x{n}x{c}xf32>, tensor<{b}x{hk}x{n}x{blocks_}x{columns}xf32>") in text
+
+
+def test_the_backward_takes_a_ring_of_one_slot_per_compute_warpgroup():
+    shapes = operands(1, 2, 2, 1, 128, 64, 64) + [
+        ((1, 2, 1, 128), jnp.float32)] * 2 + [((1, 2, 1, 128, 64), jnp.bfloat16),
+                                              ((1, 2, 1, 128), jnp.float32)]
+    with pytest.raises(ValueError, match="stages must be 2"):
+        lowered(lambda *x: backward_kernel.attention_bwd(*x, p=2, stages=3), *shapes)
 
 
 def test_the_shapes_they_take_are_whole_programs():
@@ -102,6 +111,51 @@ def test_the_straddle_product_is_the_straddle_sums(rng):
                            preferred_element_type=jnp.float32)
     rough = jnp.where(index[None, :] < index[:, None], bf16_only, 0.0).sum(axis=-1)
     assert np.any(np.abs(np.asarray(rough) - np.asarray(want)) > 1e-5 * scale)
+
+
+def test_the_straddle_product_with_keys_as_rows_is_the_straddle_sums(rng):
+    """The one-pass backward's form (`straddle_sums(..., keys_as_rows=True)`): its tile is
+    dl^T [j, i]; R = L X with L[k, j] = [j < k] over the tile's three bf16 parts, then each
+    row of R over i >= k, equals `chunked.diagonal_straddle` of dl to float32 rounding."""
+    from sympow.attention import chunked
+
+    rows = blocks.ROWS
+    index = np.arange(rows)
+    dl = rng.normal(size=(3, rows, rows)) * np.exp(rng.normal(0.0, 3.0, size=(3, rows, rows)))
+    dl = jnp.asarray(np.where(index[:, None] >= index[None, :], dl, 0.0), jnp.float32)
+    tile_ = jnp.swapaxes(dl, -1, -2)  # [j, i]: keys as rows
+    lower = jnp.asarray(index[None, :] < index[:, None], jnp.bfloat16)  # [k, j]
+    r = sum(jnp.einsum("kj,bji->bki", lower, part, preferred_element_type=jnp.float32)
+            for part in blocks.bf16_parts(tile_))
+    got = jnp.where(index[None, :] >= index[:, None], r, 0.0).sum(axis=-1)
+    want = chunked.diagonal_straddle(dl)
+    scale = np.abs(np.asarray(dl)).sum(axis=(-2, -1), keepdims=True)[..., 0]
+    assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= 1e-5 * scale)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_dhead_is_q_dot_the_dq_partial_over_p(rng, p):
+    """The one-pass backward forms dhead_i (dl summed over a block's keys) as q_i . (ds^T
+    K)_i / p, from the dQ partial it reduces anyway: dl_ij = ds_ij s_ij / p for the
+    kernel's own (w, ds / dw) (`weights.power_terms`) with s = K Q^T. With ds rounded to
+    bf16 for the tensor cores the sum keeps ~bf16 accuracy against the sum of the
+    float32 dl; with an inconsistent ds (p - 1 in place of p) the check fails."""
+    rows, d = blocks.ROWS, 64
+    q = jnp.asarray(rng.normal(size=(rows, d)) / d ** 0.5, jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(rows, d)) / d ** 0.5, jnp.bfloat16)
+    s = jnp.einsum("jd,id->ji", k, q, preferred_element_type=jnp.float32)  # [keys, queries]
+    scale = 1.0 / jnp.abs(s).max(axis=0)
+    factor = jnp.exp2(-jnp.abs(jnp.asarray(rng.normal(0.0, 2.0, size=(rows, rows)),
+                                           jnp.float32)))
+    w, dsdw = weights.power_terms(s, (factor,), scale[None, :], p * scale[None, :], p)
+    dw = jnp.asarray(rng.normal(size=(rows, rows)), jnp.float32)
+    dl, ds = w * dw, (dsdw * dw).astype(jnp.bfloat16)
+    want = np.asarray(dl.sum(axis=0), np.float64)  # per query, over the keys
+    for power, ok in ((p, True), (p - 1, False)):
+        partial = jnp.einsum("ji,jd->id", ds, k, preferred_element_type=jnp.float32)
+        got = np.asarray(jnp.einsum("id,id->i", q.astype(jnp.float32), partial) / power)
+        error = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert (error <= 2.0 ** -8) == ok, (power, error)
 
 
 def _logits(s, row_decay, tail, p):

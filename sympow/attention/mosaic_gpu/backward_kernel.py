@@ -1,0 +1,289 @@
+"""The attention backward on Hopper in one pass: dQ, dK, dV and the gate pieces from one
+kernel that walks the query blocks of each key block (FlashAttention's one-pass backward).
+
+Per tile pair the kernel issues five products: the scores s = K Q^T and dw = V dO^T
+(keys as the tile's rows), dV += w dO, dK += ds Q, and dQ's partial ds^T K. The two-kernel
+backward it replaces (a query-major dQ kernel beside this key-major one, until 2026-11-26)
+recomputed s and dw in each, seven products a pair. ds^T is read from shared memory
+transposed (a register operand cannot be transposed), and the partial [64 queries, d]
+float32 is added into a float32 dQ in GMEM by a TMA reduction (`copy_smem_to_gmem(...,
+reduction_op="add")`): every key block adds into every later query block.
+
+The gate cotangent's pieces (`chunked.block_gate_cotangent`) come without a per-query sum
+across the tile's rows (which span warps):
+- dhead_i (dl summed over the keys of earlier blocks) = q_i . dQ_off_i / p, since
+  dl_ij = ds_ij s_ij / p and s_ij = q_i . k_j: so the off-diagonal partials are reduced
+  into their own array, the diagonal blocks' (each query block's diagonal is one
+  warpgroup's step) stored plainly beside it, and XLA forms dhead from the first;
+- dtail_j (dl summed over the queries of later blocks): the row sums, in registers;
+- the block-pair totals: each step writes its row sums into its pair's row of a shared
+  buffer without a barrier; every `group` pairs one barrier makes them visible and each row
+  is summed in the columns' layout (as the dQ kernel did, 2026-11-26);
+- the diagonal's straddle sums: `blocks.straddle_sums` on the transposed tile.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sympow.attention.mosaic_gpu.attention_kernels import _block_totals, _program, _scores
+from sympow.attention.mosaic_gpu.blocks import (
+    COL_VECTOR,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    LOG2E,
+    MEMORY_REGISTERS,
+    ROW_VECTOR,
+    ROWS,
+    TILE_ROWS,
+    VECTOR,
+    Ring,
+    by_cols,
+    by_rows,
+    decay_product,
+    indices,
+    launch,
+    load_own,
+    own_scratch,
+    row_vector,
+    store_own,
+    straddle_sums,
+    tile,
+    write_mask,
+    zeros,
+)
+from sympow.attention.mosaic_gpu.weights import capped_exp2, power_terms
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _transposed_product(a_smem, b_smem):
+    """a^T @ b (float32 [ROWS, width]) of a [ROWS, ROWS] bf16 tile and b [ROWS, width] in
+    shared memory, a read transposed by the tensor cores."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
+        return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC((ROWS, b_smem.shape[-1]), F32))
+
+
+def _flush_totals(sums_smem, pair_smem, lo, hi, dst):
+    """Stores the block-pair totals of rows lo .. hi - 1 of sums_smem [group, ROWS] (each a
+    step's row sums of dl, written without a barrier) into dst ([group] of GMEM) through
+    pair_smem [ROWS]: one barrier makes the rows visible, each is read in the columns'
+    layout and summed within each warp, and the store's barrier keeps the next steps'
+    writes behind every warp's reads. Rows outside lo .. hi - 1 store garbage (pairs the
+    caller masks)."""
+    plgpu.commit_smem()
+    slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
+
+    def total(slot, totals):
+        row = plgpu.load(sums_smem.at[slot], (), layout=COL_VECTOR)
+        return jnp.where(slots == slot, by_cols(row).sum(axis=1), totals)
+
+    pair_smem[...] = lax.fori_loop(lo, hi, total, row_vector(0.0))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(pair_smem.at[pl.ds(0, sums_smem.shape[0])], dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref,
+                     do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
+                     ddiag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
+                     walk_done, out, *, p, groups, tiles):
+    b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
+    blocks = tiles * COMPUTE_WGS
+    start = COMPUTE_WGS * tile_  # the first query block of the walk
+    block = start + wg  # J: this warpgroup's key block
+    steps = (blocks - start) * groups  # (query block start + step // R, head step % R)
+    first = wg * groups  # this warpgroup's first diagonal step
+    ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        k_smem, v_smem, a_smem, tl_smem, ones_smem = own
+        dtail_smem = out[0]  # [COMPUTE_WGS, ROWS], for `store_own`
+        ds_smem, stage_smem, ddiag_smem, sums_smem, pair_smem = (x.at[wg] for x in out[1:])
+        group = sums_smem.shape[0]  # block pairs per flush of their totals
+        rows_of = pl.ds(block * ROWS, ROWS)
+        mine = (b, hk, n, rows_of)
+        load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
+                   (tl_ref.at[mine], tl_smem)], wg, own_bars)
+        write_mask(ones_smem.at[wg], lambda k, i: k <= i)
+        # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
+        diagonal = decay_product(a_smem.at[wg], lambda j, k: k > j, ones_smem.at[wg]) * LOG2E
+        tail = plgpu.load(tl_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        tail_factor = by_rows(jnp.exp2(tail))  # the keys' decay factors, <= 1
+        rows, cols = indices()
+        d = k_ref.shape[-1]
+        k_own = k_smem.at[wg]
+
+        @pl.loop(0, first)
+        def _skip(step):
+            ring.skip(step)
+
+        column_blocks = [k_own if d == ROWS else k_own.at[:, pl.ds(c0, ROWS)]
+                         for c0 in range(0, d, ROWS)]
+
+        def products(dv, dk, w, ds, q_smem, do_smem):
+            """(dv + w dO, dk + ds Q, [ds^T K by column blocks of ROWS]), the step's products
+            issued together and waited for once (ds also in ds_smem, visible to the tensor
+            cores): their register operands stay live until the wait."""
+            def issue(refs):
+                dv_ref, dk_ref, *dq_refs = refs
+                plgpu.wgmma(dv_ref, w, do_smem)
+                plgpu.wgmma(dk_ref, ds, q_smem)
+                for dq_ref, columns in zip(dq_refs, column_blocks, strict=True):
+                    plgpu.wgmma(dq_ref, ds_smem.transpose((1, 0)), columns)
+                plgpu.wgmma_wait(0)
+
+            inits = [dv, dk] + [zeros((ROWS, ROWS))] * len(column_blocks)
+            dv, dk, *parts = pl.run_state(issue)([plgpu.ACC.init(x) for x in inits])
+            return dv, dk, parts
+
+        def store_partials(parts, dst_of, reduction):
+            """The dQ partials through the stage into dst_of(columns) of GMEM (reduction
+            'add' or a plain store). The stage's previous store was waited for (read) before
+            ds was committed, one column block ago at d = 128."""
+            for index, part in enumerate(parts):
+                if index:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage_smem[...] = part
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage_smem, dst_of(pl.ds(index * ROWS, ROWS)),
+                                        reduction_op=reduction)
+
+        def visit(step, carry, on_diagonal: bool):
+            dk, dv, dtail, mid = carry
+            slot = ring.slot(step)
+            query_block = start + lax.div(step, groups)
+            hq = hk * groups + lax.rem(step, groups)
+            queries = (b, hq, n, pl.ds(query_block * ROWS, ROWS))
+            (q_smem,) = ring.wait(slot, 0)
+            s = _scores(k_own, q_smem)  # [keys j, queries i]
+            (head_smem,) = ring.wait(slot, 4)  # waited on every step: the barrier phases
+            m2 = plgpu.load(ring.wait(slot, 2)[0], (), layout=COL_VECTOR) * LOG2E
+            c = plgpu.load(ring.wait(slot, 5)[0], (), layout=COL_VECTOR)
+            shift = m2 + p * c
+            if on_diagonal:
+                exponent = jnp.where(cols >= rows, diagonal - by_cols(shift), -jnp.inf)
+                factors = (capped_exp2(exponent),)
+            else:  # D_ji - shift_i = tail_j + (head_i + mid - shift_i): a factor of each
+                head = plgpu.load(head_smem, (), layout=COL_VECTOR)
+                factors = (tail_factor, by_cols(capped_exp2((head + mid) * LOG2E - shift)))
+            scale = jnp.exp2(c)
+            w, dsdw = power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
+            (do_smem,) = ring.wait(slot, 1)
+            dden = plgpu.load(ring.wait(slot, 3)[0], (), layout=COL_VECTOR)
+            dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
+            dl = w * dw
+            ds = (dsdw * dw).astype(BF16)
+            ds_smem[...] = ds  # the last step's products (which read it) were waited for
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's last store
+            plgpu.commit_smem()
+            dv, dk, parts = products(dv, dk, w.astype(BF16), ds, q_smem, do_smem)
+            ring.release(slot)
+            if on_diagonal:  # this block's own queries: stored, not reduced (one visit each)
+                store_partials(parts, lambda cols_: dq_diag_ref.at[(*queries, cols_)], None)
+                # the pairs within the block: each a_k's straddle sum (ds_smem is free now)
+                ddiag_smem[...] = straddle_sums(dl, ds_smem, ones_smem.at[wg],
+                                                keys_as_rows=True)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ddiag_smem, ddiag_ref.at[b, hq, n, rows_of])
+                plgpu.wait_smem_to_gmem(0)
+                return dk, dv, dtail, mid
+            store_partials(parts, lambda cols_: dq_off_ref.at[(*queries, cols_)], "add")
+            row_sums = dl.sum(axis=1)  # [keys]: this pair's share of dtail and its total
+            column = start * groups + step  # the pair's column: query block * R + head
+            sums_smem.at[lax.rem(column, group)][...] = row_sums
+            base = column - lax.rem(column, group)
+
+            @pl.when(jnp.logical_or(lax.rem(column, group) == group - 1, step == steps - 1))
+            def _flush():
+                lo = jnp.maximum(base, start * groups + first + groups) - base
+                _flush_totals(sums_smem, pair_smem, lo, column - base + 1,
+                              pairs_ref.at[b, hk, n, block, pl.ds(base, group)])
+
+            last_head = lax.rem(step, groups) == groups - 1
+            return (dk, dv, dtail + row_sums,
+                    mid + jnp.where(last_head, tot_ref[b, hk, n, query_block], 0.0))
+
+        e = v_ref.shape[-1]
+        carry = (zeros((ROWS, d)), zeros((ROWS, e)), row_vector(0.0), jnp.zeros((), F32))
+        carry = lax.fori_loop(first, first + groups,
+                              lambda s, c: visit(s, c, on_diagonal=True), carry)
+        carry = (*carry[:3], jnp.zeros((), F32))
+        dk, dv, dtail, _ = lax.fori_loop(first + groups, steps,
+                                         lambda s, c: visit(s, c, on_diagonal=False), carry)
+        walked = walk_done.at[0]  # both warpgroups past their last step: the ring is free
+        plgpu.barrier_arrive(walked)
+        plgpu.barrier_wait(walked)
+        dk_smem, dv_smem = ring.arrays[0], ring.arrays[1]  # [stages = COMPUTE_WGS, ...]
+        store_own([(dk.astype(dk_ref.dtype), dk_smem, dk_ref.at[mine]),
+                    (dv.astype(dv_ref.dtype), dv_smem, dv_ref.at[mine]),
+                    (dtail, dtail_smem, dtail_ref.at[mine])], wg)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        def sources(step):
+            rows_of = pl.ds((start + lax.div(step, groups)) * ROWS, ROWS)
+            query = (b, hk * groups + lax.rem(step, groups), n, rows_of)
+            return (q_ref.at[query], do_ref.at[query], m_ref.at[query], dden_ref.at[query],
+                    hd_ref.at[b, hk, n, rows_of], c_ref.at[query])
+
+        ring.fill(steps, sources)
+
+
+def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages: int = 2):
+    """The Hopper backward in one kernel: (dq, dhead, ddiag, pairs) and (dk, dv, dtail).
+
+    Inputs as `attention_kernels.attention_fwd`'s, with its m and c (`scales`) and the
+    cotangents do [B,Hq,N,C,E] (bfloat16) and dden [B,Hq,N,C]. dq, dk, dv in the inputs'
+    dtype; dhead [B,Hq,N,C] (per query, dl summed over the keys of earlier blocks of ROWS)
+    and dtail [B,Hk,N,C] (per key, over the queries of later blocks) float32; ddiag
+    [B,Hq,N,C] float32, per k the sum of dl_ij over i >= k > j within k's diagonal block
+    (`blocks.straddle_sums`); pairs [B,Hq,N,C/ROWS,C/ROWS] float32: [I, J] the total of dl
+    over the block pair for J < I, unwritten for J >= I (the caller masks them)."""
+    b, hq, n, c, d = q.shape
+    hk, e = k.shape[1], v.shape[-1]
+    groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
+    # the block-pair totals, per warpgroup: 64 pairs between flushes (a barrier and a store
+    # each) where that fits in shared memory beside the tiles, 8 when d or e is 128
+    group = ROWS if d == e == ROWS else 8
+    columns = -(-blocks * groups // group) * group  # [.., J, I * R + head], padded
+    if stages != COMPUTE_WGS:
+        raise ValueError(f"stages must be {COMPUTE_WGS} (dk and dv leave through the ring's "
+                         f"slots, one per compute warpgroup); got {stages}")
+    bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(4))
+    dq_off = jax.new_ref(jnp.zeros(q.shape, F32))  # the TMA reductions' target
+    dk, dv, dtail, dq_diag, ddiag, pairs = launch(
+        lambda *refs: _backward_kernel(*refs, p=p, groups=groups, tiles=tiles),
+        name="sympow_attention_bwd",
+        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  jax.ShapeDtypeStruct(v.shape, v.dtype),
+                  jax.ShapeDtypeStruct((b, hk, n, c), F32),
+                  jax.ShapeDtypeStruct(q.shape, F32),
+                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
+                  jax.ShapeDtypeStruct((b, hk, n, blocks, columns), F32)],
+        scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars,
+                 *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
+                 plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=COMPUTE_WGS),
+                 # dtail, ds (bf16), the dQ partials' stage, ddiag, the pairs' row sums and
+                 # totals (dk and dv leave through the ring's q and dO slots)
+                 own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR,
+                             ((group, ROWS), F32, False), VECTOR)),
+        grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"),
+        args=(q, k, v, a, head, tail, _block_totals(a), m, scales, do, dden, dq_off))
+    dq_off = dq_off[...]
+    dq = (dq_off + dq_diag).astype(q.dtype)
+    dhead = jnp.einsum("bhncd,bhncd->bhnc", q.astype(F32), dq_off) / p
+    # [b, hk, n, J, I * R + head] -> [b, hk * R + head, n, I, J]
+    pairs = pairs[..., :blocks * groups].reshape(b, hk, n, blocks, blocks, groups)
+    pairs = jnp.transpose(pairs, (0, 1, 5, 2, 4, 3)).reshape(b, hq, n, blocks, blocks)
+    return (dq, dhead, ddiag, pairs), (dk, dv, dtail)
