@@ -9,12 +9,13 @@ exact max by at most SEPARABLE_SPREAD log2 units (o and den carry the same exp(-
 callers use). bf16 operands, float32 accumulators.
 
 Programs (blocks.py): 128 rows, two compute warpgroups of 64 and a memory warpgroup.
-- forward and dQ: one program per 128 query rows of a chunk and query head; the ring walks
-  the key blocks (k, v, tail, exp(tail)) from the last compute warpgroup's diagonal back to
-  block 0.
-- dK, dV: one program per 128 key rows and kv head; the ring walks the query blocks (q, dO,
-  m, dden, head) of every query head of the group, from the first warpgroup's diagonal to
-  the end of the chunk. Each warpgroup skips the steps before its own diagonal.
+- forward (this module): one program per 128 query rows of a chunk and query head; the
+  ring walks the key blocks (k, v, tail, exp(tail)) from the last compute warpgroup's
+  diagonal back to block 0.
+- backward (`backward_kernel`, one pass): one program per 128 key rows and kv head; the ring
+  walks the query blocks (q, dO, m, dden, head, c) of every query head of the group, from
+  the first warpgroup's diagonal to the end of the chunk. Each warpgroup skips the steps
+  before its own diagonal.
 
 Decays from local sums: off the diagonal D_ij = head_i + mid_IJ + tail_j with mid the
 carried sum of the block totals passed (sums of terms <= 0, never differences of long
@@ -28,12 +29,6 @@ The forward stores m in natural units, and with it each row's scale c = -log2 ma
 The backward takes no logarithm and no division: w = s'^p e and ds = p dl / s =
 p s'^(p-1) e 2^c dw with s' = s 2^c and e = exp2(D - m - p c) (`weights.power_terms`):
 on the diagonal one ex2 per score, off it a capped exp2 per row times exp(tail) per column.
-
-The dQ kernel also returns dhead (per query, dl summed over earlier key blocks), the
-block-pair totals of dl (a sum across a wgmma result's rows spans warps: the row sums go
-through shared memory into the columns' layout, `block_total`), stored 64 pairs at a time,
-and its diagonal block's straddle sums (`blocks.straddle_sums`: one more product with a 0/1
-matrix, on the dl the block already has in registers); the dK, dV kernel returns dtail.
 """
 
 from __future__ import annotations
@@ -98,14 +93,14 @@ def _scores(a_ref, b_ref):
     return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
 
 
-# Forward and dQ: query programs walking the key blocks back from the diagonal.
+# The forward: query programs walking the key blocks back from the diagonal.
 
 @dataclasses.dataclass(frozen=True)
 class _KeyWalk:
-    """A query program's walk over the key blocks J = top - step (the forward's and dQ's):
-    from the last compute warpgroup's diagonal block `top` back to block 0, the ring holding
-    (k, v, tail, exp(tail)) of each; `block` is this warpgroup's query block I, `first` the
-    step of its diagonal."""
+    """A query program's walk over the key blocks J = top - step (the forward's): from the
+    last compute warpgroup's diagonal block `top` back to block 0, the ring holding (k, v,
+    tail, exp(tail)) of each; `block` is this warpgroup's query block I, `first` the step of
+    its diagonal."""
 
     b: jax.Array
     hq: jax.Array
@@ -237,10 +232,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
     pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref))
 
 
-# The key blocks' barrier group (`Ring`): a forward or dQ step uses k, v, tail and exp(tail)
-# at once. The dK dV kernel's query blocks keep a barrier each: it uses q long before dO,
-# and both groupings tried ((q, m, head, c) with (dO, dden); q with the other five) made it
-# slower (docs/kernels.md).
+# The key blocks' barrier group (`Ring`): a forward step uses k, v, tail and exp(tail) at
+# once. The backward's query blocks keep a barrier each: it uses q long before dO, and both
+# groupings tried ((q, m, head, c) with (dO, dden); q with the other five) made it slower
+# (docs/kernels.md).
 _KEY_GROUPS = ((0, 1, 2, 3),)
 
 

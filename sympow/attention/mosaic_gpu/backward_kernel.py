@@ -9,17 +9,24 @@ transposed (a register operand cannot be transposed), and the partial [64 querie
 float32 is added into a float32 dQ in GMEM by a TMA reduction (`copy_smem_to_gmem(...,
 reduction_op="add")`): every key block adds into every later query block.
 
-The gate cotangent's pieces (`chunked.block_gate_cotangent`) come without a per-query sum
-across the tile's rows (which span warps):
+The gate cotangent's pieces (`chunked.block_gate_cotangent`) come without a sum across the
+tile's rows per query (they span warps):
 - dhead_i (dl summed over the keys of earlier blocks) = q_i . dQ_off_i / p, since
   dl_ij = ds_ij s_ij / p and s_ij = q_i . k_j: so the off-diagonal partials are reduced
   into their own array, the diagonal blocks' (each query block's diagonal is one
-  warpgroup's step) stored plainly beside it, and XLA forms dhead from the first;
+  warpgroup's step) stored plainly beside it, and XLA forms dhead from the first
+  (`assemble`); dhead thus carries ds's bf16 rounding, as dq does;
 - dtail_j (dl summed over the queries of later blocks): the row sums, in registers;
-- the block-pair totals: each step writes its row sums into its pair's row of a shared
-  buffer without a barrier; every `group` pairs one barrier makes them visible and each row
-  is summed in the columns' layout (as the dQ kernel did, 2026-11-26);
-- the diagonal's straddle sums: `blocks.straddle_sums` on the transposed tile.
+- the block-pair totals: each step's row sums pass through shared memory into the columns'
+  layout (which every warp holds whole) behind the barrier the dQ partial's stage takes
+  anyway, are summed within each warp, and leave ROWS pairs at a time;
+- the diagonal's straddle sums: XLA's `chunked.diagonal_straddle` of the diagonal blocks'
+  dl, which the kernel stores (three more products on them in the kernel, as the dQ kernel
+  took them, made ptxas serialize every wgmma of this one: 15.2 against 13.5 ms at
+  T = 16k, H = 12, H200).
+
+Shared memory: dk and dv leave through the ring's q and dO slots once both compute
+warpgroups are past their walks, which keeps d = e = 128 within the 227 KB.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sympow.attention import chunked
 from sympow.attention.mosaic_gpu.attention_kernels import _block_totals, _program, _scores
 from sympow.attention.mosaic_gpu.blocks import (
     COL_VECTOR,
@@ -51,7 +59,6 @@ from sympow.attention.mosaic_gpu.blocks import (
     own_scratch,
     row_vector,
     store_own,
-    straddle_sums,
     tile,
     write_mask,
     zeros,
@@ -70,29 +77,9 @@ def _transposed_product(a_smem, b_smem):
     return pl.run_scoped(product, plgpu.ACC((ROWS, b_smem.shape[-1]), F32))
 
 
-def _flush_totals(sums_smem, pair_smem, lo, hi, dst):
-    """Stores the block-pair totals of rows lo .. hi - 1 of sums_smem [group, ROWS] (each a
-    step's row sums of dl, written without a barrier) into dst ([group] of GMEM) through
-    pair_smem [ROWS]: one barrier makes the rows visible, each is read in the columns'
-    layout and summed within each warp, and the store's barrier keeps the next steps'
-    writes behind every warp's reads. Rows outside lo .. hi - 1 store garbage (pairs the
-    caller masks)."""
-    plgpu.commit_smem()
-    slots = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=ROW_VECTOR)
-
-    def total(slot, totals):
-        row = plgpu.load(sums_smem.at[slot], (), layout=COL_VECTOR)
-        return jnp.where(slots == slot, by_cols(row).sum(axis=1), totals)
-
-    pair_smem[...] = lax.fori_loop(lo, hi, total, row_vector(0.0))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(pair_smem.at[pl.ds(0, sums_smem.shape[0])], dst)
-    plgpu.wait_smem_to_gmem(0)
-
-
 def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref,
                      do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
-                     ddiag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
+                     diag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
                      walk_done, out, *, p, groups, tiles):
     b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
     blocks = tiles * COMPUTE_WGS
@@ -107,8 +94,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         k_smem, v_smem, a_smem, tl_smem, ones_smem = own
         dtail_smem = out[0]  # [COMPUTE_WGS, ROWS], for `store_own`
-        ds_smem, stage_smem, ddiag_smem, sums_smem, pair_smem = (x.at[wg] for x in out[1:])
-        group = sums_smem.shape[0]  # block pairs per flush of their totals
+        ds_smem, stage_smem, rows_smem, pair_smem = (x.at[wg] for x in out[1:])
         rows_of = pl.ds(block * ROWS, ROWS)
         mine = (b, hk, n, rows_of)
         load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
@@ -189,24 +175,33 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             ring.release(slot)
             if on_diagonal:  # this block's own queries: stored, not reduced (one visit each)
                 store_partials(parts, lambda cols_: dq_diag_ref.at[(*queries, cols_)], None)
-                # the pairs within the block: each a_k's straddle sum (ds_smem is free now)
-                ddiag_smem[...] = straddle_sums(dl, ds_smem, ones_smem.at[wg],
-                                                keys_as_rows=True)
+                # its dl [keys, queries], for the straddle sums (XLA: a product here made
+                # ptxas serialize every wgmma of the kernel, 15.2 against 13.5 ms at 16k)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage_smem[...] = dl
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(ddiag_smem, ddiag_ref.at[b, hq, n, rows_of])
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.copy_smem_to_gmem(stage_smem, diag_ref.at[b, hq, n, rows_of])
                 return dk, dv, dtail, mid
-            store_partials(parts, lambda cols_: dq_off_ref.at[(*queries, cols_)], "add")
             row_sums = dl.sum(axis=1)  # [keys]: this pair's share of dtail and its total
+            rows_smem[...] = row_sums  # visible after the stage's barrier
+            store_partials(parts, lambda cols_: dq_off_ref.at[(*queries, cols_)], "add")
             column = start * groups + step  # the pair's column: query block * R + head
-            sums_smem.at[lax.rem(column, group)][...] = row_sums
-            base = column - lax.rem(column, group)
+            slot_of_pair = lax.rem(column, ROWS)
+            # the pair's total, a sum across the warpgroup's four warps: the row sums in
+            # the columns' layout, which every warp holds whole, summed within each warp.
+            # (Mosaic GPU's own reduction across warps uses one scratch region for both
+            # compute warpgroups, which raced: wrong totals now and then, H200; the row
+            # sums of ROWS steps summed at once in the columns' layout took 1.1 ms of
+            # 13.7 at T = 16k, a barrier of their own a step 1.3 ms.) The next step
+            # writes rows_smem after its first barrier, when every warp has read it.
+            pair_smem[slot_of_pair] = plgpu.load(rows_smem, (), layout=COL_VECTOR).sum()
 
-            @pl.when(jnp.logical_or(lax.rem(column, group) == group - 1, step == steps - 1))
-            def _flush():
-                lo = jnp.maximum(base, start * groups + first + groups) - base
-                _flush_totals(sums_smem, pair_smem, lo, column - base + 1,
-                              pairs_ref.at[b, hk, n, block, pl.ds(base, group)])
+            @pl.when(jnp.logical_or(slot_of_pair == ROWS - 1, step == steps - 1))
+            def _flush():  # the slots not written since the last flush: pairs J >= I
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(pair_smem, pairs_ref.at[
+                    b, hk, n, block, pl.ds(column - slot_of_pair, ROWS)])
+                plgpu.wait_smem_to_gmem(0)
 
             last_head = lax.rem(step, groups) == groups - 1
             return (dk, dv, dtail + row_sums,
@@ -248,42 +243,54 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     dtype; dhead [B,Hq,N,C] (per query, dl summed over the keys of earlier blocks of ROWS)
     and dtail [B,Hk,N,C] (per key, over the queries of later blocks) float32; ddiag
     [B,Hq,N,C] float32, per k the sum of dl_ij over i >= k > j within k's diagonal block
-    (`blocks.straddle_sums`); pairs [B,Hq,N,C/ROWS,C/ROWS] float32: [I, J] the total of dl
-    over the block pair for J < I, unwritten for J >= I (the caller masks them)."""
+    (`chunked.diagonal_straddle` of the blocks' dl, which the kernel stores); pairs
+    [B,Hq,N,C/ROWS,C/ROWS] float32: [I, J] the total of dl over the block pair for J < I,
+    unwritten for J >= I (the caller masks them)."""
     b, hq, n, c, d = q.shape
     hk, e = k.shape[1], v.shape[-1]
     groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
-    # the block-pair totals, per warpgroup: 64 pairs between flushes (a barrier and a store
-    # each) where that fits in shared memory beside the tiles, 8 when d or e is 128
-    group = ROWS if d == e == ROWS else 8
-    columns = -(-blocks * groups // group) * group  # [.., J, I * R + head], padded
+    columns = -(-blocks * groups // ROWS) * ROWS  # the pairs [.., J, I * R + head], padded
     if stages != COMPUTE_WGS:
         raise ValueError(f"stages must be {COMPUTE_WGS} (dk and dv leave through the ring's "
                          f"slots, one per compute warpgroup); got {stages}")
     bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(4))
     dq_off = jax.new_ref(jnp.zeros(q.shape, F32))  # the TMA reductions' target
-    dk, dv, dtail, dq_diag, ddiag, pairs = launch(
+    dk, dv, dtail, dq_diag, diagonal, pairs = launch(
         lambda *refs: _backward_kernel(*refs, p=p, groups=groups, tiles=tiles),
         name="sympow_attention_bwd",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32),
                   jax.ShapeDtypeStruct(q.shape, F32),
-                  jax.ShapeDtypeStruct((b, hq, n, c), F32),
+                  jax.ShapeDtypeStruct((b, hq, n, c, ROWS), F32),
                   jax.ShapeDtypeStruct((b, hk, n, blocks, columns), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars,
                  *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
                  plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=COMPUTE_WGS),
-                 # dtail, ds (bf16), the dQ partials' stage, ddiag, the pairs' row sums and
-                 # totals (dk and dv leave through the ring's q and dO slots)
-                 own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR,
-                             ((group, ROWS), F32, False), VECTOR)),
+                 # dtail, ds (bf16), the stage of the dQ partials and of the diagonal's dl,
+                 # a step's row sums, the pair totals of up to ROWS steps (dk and dv leave
+                 # through the ring's q and dO slots)
+                 own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR)),
         grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"),
         args=(q, k, v, a, head, tail, _block_totals(a), m, scales, do, dden, dq_off))
-    dq_off = dq_off[...]
+    return assemble(q, dq_off[...], dq_diag, diagonal, pairs, p=p), (dk, dv, dtail)
+
+
+def assemble(q, dq_off, dq_diag, diagonal, pairs, *, p: int):
+    """(dq, dhead, ddiag, pairs) as `attention_bwd` returns them, from the kernel's outputs:
+    dq_off and dq_diag [B,Hq,N,C,D] float32 (the partials ds^T K reduced over the key blocks
+    below each query block, and the diagonal blocks'), diagonal [B,Hq,N,C,ROWS] float32
+    (each diagonal block's dl with keys as rows), pairs [B,Hk,N,C/ROWS,P] float32 ([J,
+    I * R + head] the total of dl over a block pair, R query heads a kv head, P >= R C/ROWS).
+    dhead_i = q_i . dQ_off_i / p: dl_ij = ds_ij s_ij / p with s_ij = q_i . k_j."""
+    b, hq, n, c, _ = q.shape
+    hk, blocks = pairs.shape[1], c // ROWS
+    groups = hq // hk
     dq = (dq_off + dq_diag).astype(q.dtype)
     dhead = jnp.einsum("bhncd,bhncd->bhnc", q.astype(F32), dq_off) / p
+    diagonal = diagonal.reshape(b, hq, n, blocks, ROWS, ROWS)  # [.., J, keys j, queries i]
+    ddiag = chunked.diagonal_straddle(jnp.swapaxes(diagonal, -1, -2)).reshape(b, hq, n, c)
     # [b, hk, n, J, I * R + head] -> [b, hk * R + head, n, I, J]
     pairs = pairs[..., :blocks * groups].reshape(b, hk, n, blocks, blocks, groups)
     pairs = jnp.transpose(pairs, (0, 1, 5, 2, 4, 3)).reshape(b, hq, n, blocks, blocks)
-    return (dq, dhead, ddiag, pairs), (dk, dv, dtail)
+    return dq, dhead, ddiag, pairs

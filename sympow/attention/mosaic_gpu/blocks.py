@@ -1,5 +1,5 @@
 """What the Hopper tier's kernels share: block sizes, shared-memory tiles, the ring of blocks
-the memory warpgroup fetches ahead, and the exact in-block products (decays, straddle sums).
+the memory warpgroup fetches ahead, and the exact in-block decay product.
 
 Every kernel of the tier is one program per 128 rows of a chunk (two compute warpgroups of
 64 rows, one wgmma M each) plus a memory warpgroup that only issues TMA copies: it walks the
@@ -111,42 +111,6 @@ def bf16_parts(x):
     return (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16), middle, high
 
 
-def straddle_sums(dl, part_smem, lower_smem, *, keys_as_rows: bool = False):
-    """sum_{i >= k > j} dl_ij for each k of a diagonal block (a row vector), for its pair
-    cotangents dl [ROWS, ROWS] (wgmma layout): [i, j] with queries as rows (zero above the
-    diagonal), or with keys_as_rows its transpose [j, i] (zero below). Queries as rows:
-    R = L dl with L[k, i] = [i >= k], so R[k, j] = sum_{i >= k} dl_ij, then each row k
-    summed over j < k; keys as rows: R = L X with L[k, j] = [j < k], so R[k, i] =
-    sum_{j < k} dl_ij, then each row k summed over i >= k. L is written to lower_smem and
-    the tile's three bf16 parts pass one at a time through part_smem (both [ROWS, ROWS]),
-    each part's product in its own accumulator (exact products, float32 sums); the row sums
-    stay within the row's warp. Each sum is of the pairs' own terms (no difference of longer
-    sums), as `chunked.diagonal_straddle`'s.
-
-    Both operands come from shared memory: with L as a register operand, rows 0-7 of every
-    16 came out as garbage now and then on an H100 (a register operand must outlive the
-    asynchronous product reading it, `state_kernels.products`)."""
-    plgpu.wgmma_wait(0)  # the caller's products: their register operands outlive them
-    if keys_as_rows:
-        lower, kept = (lambda k, j: j < k), (lambda rows, cols: cols >= rows)
-    else:
-        lower, kept = (lambda k, i: i >= k), (lambda rows, cols: cols < rows)
-    write_mask(lower_smem, lower)
-    rows, cols = indices()
-
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, lower_smem, part_smem)
-        return acc_ref[...]
-
-    r = None
-    for part in bf16_parts(dl):
-        part_smem[...] = part  # the previous product has been read: its tile is free
-        plgpu.commit_smem()
-        term = pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
-        r = term if r is None else r + term
-    return jnp.where(kept(rows, cols), r, 0.0).sum(axis=1)
-
-
 def load_own(pairs, wg, bars) -> None:
     """Each compute warpgroup's own blocks: (GMEM slice, [COMPUTE_WGS, ...] SMEM) pairs."""
     for (src, dst), bar in zip(pairs, bars, strict=True):
@@ -189,8 +153,9 @@ class Ring:
     A consumer pays one barrier check per group and step: each check is a round trip, and
     in the forward kernel the four checks of a step held ~20 % of the compute warps' stall
     samples (ncu, H100, 2026-11-25), most for blocks already there. So the arrays a step
-    uses at once share a group (forward, dQ); a kernel that uses its blocks at different
-    points of a step (dK dV: q for the scores, m, head and c for the weights, dO after)
+    uses at once share a group (the forward); a kernel that uses its blocks at different
+    points of a step (the backward: q for the scores, m, head and c for the weights, dO
+    after)
     keeps a group per array, so each wait is for the block needed next: every grouping of
     its blocks measured slower (docs/kernels.md)."""
 

@@ -2,14 +2,14 @@
 
 `attention(plan, q, k, v, a)` computes what `sympow.attention.pallas.vjps.attention` does,
 with the same residuals: where `unsupported` finds nothing against it, under its own
-custom_vjp whose forward and backward run `attention_kernels` (wgmma, TMA, warp
-specialization); otherwise the portable tier's primitive, with the reason logged once.
+custom_vjp whose forward and backward run `attention_kernels` and `backward_kernel`
+(wgmma, TMA, warp specialization); otherwise the portable tier's primitive, with the reason
+logged once.
 
 The backward's gate cotangent comes from local sums as in the portable tier
-(`chunked.block_gate_cotangent`): dhead, the block-pair totals and the diagonal blocks'
-straddle sums from the dQ kernel, dtail from the dK, dV kernel. (The straddle sums were
-float32 XLA over the recomputed diagonal blocks until 2026-11-25: ~1.0 ms of GPU time in
-the 9.75 ms chunked call at T = 65,536 on an H100, docs/kernels.md.)
+(`chunked.block_gate_cotangent`): dhead, dtail, the block-pair totals and the diagonal
+blocks' straddle sums from the one-pass backward kernel and its epilogue
+(`backward_kernel.assemble`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 Pallas' Mosaic GPU lowering, to one Mosaic GPU kernel for CUDA (jax lowers across platforms
 without a GPU). Their numbers need a Hopper GPU: `experiments/gpu_check.py --only=primitives`
 compares them with the portable kernels there (the Mosaic GPU interpreter cannot run a
-wgmma whose A operand is in registers). The arithmetic of the in-kernel straddle sums (bf16
-parts, the 0/1 product, the masked row sums) is checked in plain JAX."""
+wgmma whose A operand is in registers). The arithmetic the backward kernel rests on (dhead
+from the dQ partial) and the assembly of its outputs are checked in plain JAX."""
 
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
                    ((b, hq, n, c, e), jnp.bfloat16), ((b, hq, n, c), f32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     blocks_ = c // blocks.ROWS
-    group = blocks.ROWS if d == e == blocks.ROWS else 8
-    columns = -(-blocks_ * (hq // hk) // group) * group
+    columns = -(-blocks_ * (hq // hk) // blocks.ROWS) * blocks.ROWS
     # its operands end with the float32 dQ its reductions add into (zeros, aliased); its
-    # outputs: dk, dv, dtail, the diagonal blocks' dQ, the straddle sums, the pair totals
+    # outputs: dk, dv, dtail, the diagonal blocks' dQ and dl, the pair totals
     assert f"tensor<{b}x{hq}x{n}x{c}x{d}xf32>) -> (" in text
     assert (f"tensor<{b}x{hk}x{n}x{c}x{d}xbf16>, tensor<{b}x{hk}x{n}x{c}x{e}xbf16>, "
             f"tensor<{b}x{hk}x{n}x{c}xf32>, tensor<{b}x{hq}x{n}x{c}x{d}xf32>, "
-            f"tensor<{b}x{hq}x{n}x{c}xf32>, tensor<{b}x{hk}x{n}x{blocks_}x{columns}xf32>") in text
+            f"tensor<{b}x{hq}x{n}x{c}x{blocks.ROWS}xf32>, "
+            f"tensor<{b}x{hk}x{n}x{blocks_}x{columns}xf32>") in text
 
 
 def test_the_backward_takes_a_ring_of_one_slot_per_compute_warpgroup():
@@ -88,49 +88,44 @@ def test_bf16_parts_hold_float32(rng):
     assert np.all(low <= middle) and np.all(middle <= high)  # smallest first
 
 
-def test_the_straddle_product_is_the_straddle_sums(rng):
-    """`blocks.straddle_sums`' arithmetic in plain JAX (the kernel itself needs a Hopper
-    GPU): R = L dl over dl's three bf16 parts, L[k, i] = [i >= k], then each row of R over
-    j < k, equals `chunked.diagonal_straddle` to float32 rounding."""
+def test_the_backward_outputs_assemble_into_the_gate_pieces(rng):
+    """`backward_kernel.assemble` against definitions from one random ds (dl = ds s / p):
+    the kernel's layouts (the off-diagonal and diagonal dQ partials, each diagonal block's dl
+    with keys as rows, the pair totals by key block and query-block-major columns, grouped
+    query heads) give dq, dhead (dl over earlier blocks' keys), the straddle sums and the
+    pair totals [I, J]."""
     from sympow.attention import chunked
 
-    rows = blocks.ROWS
-    index = np.arange(rows)
-    dl = rng.normal(size=(3, rows, rows)) * np.exp(rng.normal(0.0, 3.0, size=(3, rows, rows)))
-    dl = jnp.asarray(np.where(index[:, None] >= index[None, :], dl, 0.0), jnp.float32)
-    lower = jnp.asarray(index[None, :] >= index[:, None], jnp.bfloat16)  # [k, i]
-    r = sum(jnp.einsum("ki,bij->bkj", lower, part, preferred_element_type=jnp.float32)
-            for part in blocks.bf16_parts(dl))
-    got = jnp.where(index[None, :] < index[:, None], r, 0.0).sum(axis=-1)
-    want = chunked.diagonal_straddle(dl)
-    scale = np.abs(np.asarray(dl)).sum(axis=(-2, -1), keepdims=True)[..., 0]
-    error = np.abs(np.asarray(got) - np.asarray(want))
-    assert np.all(error <= 1e-5 * scale), (error.max(axis=-1), scale[:, 0])
-    # and a one-part (bf16) product would not pass: the check can fail
-    bf16_only = jnp.einsum("ki,bij->bkj", lower, dl.astype(jnp.bfloat16),
-                           preferred_element_type=jnp.float32)
-    rough = jnp.where(index[None, :] < index[:, None], bf16_only, 0.0).sum(axis=-1)
-    assert np.any(np.abs(np.asarray(rough) - np.asarray(want)) > 1e-5 * scale)
-
-
-def test_the_straddle_product_with_keys_as_rows_is_the_straddle_sums(rng):
-    """The one-pass backward's form (`straddle_sums(..., keys_as_rows=True)`): its tile is
-    dl^T [j, i]; R = L X with L[k, j] = [j < k] over the tile's three bf16 parts, then each
-    row of R over i >= k, equals `chunked.diagonal_straddle` of dl to float32 rounding."""
-    from sympow.attention import chunked
-
-    rows = blocks.ROWS
-    index = np.arange(rows)
-    dl = rng.normal(size=(3, rows, rows)) * np.exp(rng.normal(0.0, 3.0, size=(3, rows, rows)))
-    dl = jnp.asarray(np.where(index[:, None] >= index[None, :], dl, 0.0), jnp.float32)
-    tile_ = jnp.swapaxes(dl, -1, -2)  # [j, i]: keys as rows
-    lower = jnp.asarray(index[None, :] < index[:, None], jnp.bfloat16)  # [k, j]
-    r = sum(jnp.einsum("kj,bji->bki", lower, part, preferred_element_type=jnp.float32)
-            for part in blocks.bf16_parts(tile_))
-    got = jnp.where(index[None, :] >= index[:, None], r, 0.0).sum(axis=-1)
-    want = chunked.diagonal_straddle(dl)
-    scale = np.abs(np.asarray(dl)).sum(axis=(-2, -1), keepdims=True)[..., 0]
-    assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= 1e-5 * scale)
+    b, hk, groups, n, c, d, p = 1, 2, 3, 2, 192, 64, 2
+    hq, rows = hk * groups, blocks.ROWS
+    nb = c // rows
+    q = jnp.asarray(rng.normal(size=(b, hq, n, c, d)) / 8, jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, hk, n, c, d)) / 8, jnp.float32)
+    kq = jnp.repeat(k, groups, axis=1)
+    s = jnp.einsum("bhnid,bhnjd->bhnij", q, kq, precision="highest")
+    causal = np.arange(c)[:, None] >= np.arange(c)[None, :]
+    ds = jnp.where(causal, jnp.asarray(rng.normal(size=s.shape), jnp.float32), 0.0)
+    dl = ds * s / p
+    block = np.arange(c) // rows
+    earlier = block[:, None] > block[None, :]
+    same = block[:, None] == block[None, :]
+    partial = lambda mask: jnp.einsum("bhnij,bhnjd->bhnid", jnp.where(mask, ds, 0.0), kq,  # noqa: E731
+                                      precision="highest")
+    in_pairs = dl.reshape(b, hq, n, nb, rows, nb, rows)
+    diag_tiles = jnp.stack([in_pairs[:, :, :, i, :, i, :] for i in range(nb)], axis=3)
+    diagonal = jnp.swapaxes(diag_tiles, -1, -2).reshape(b, hq, n, c, rows)  # keys as rows
+    totals = in_pairs.sum(axis=(-3, -1))  # [b, hq, n, I, J]
+    by_key = totals.reshape(b, hk, groups, n, nb, nb).transpose(0, 1, 3, 5, 4, 2)
+    by_key = by_key.reshape(b, hk, n, nb, nb * groups)  # [J, I * R + head]
+    by_key = jnp.pad(by_key, [(0, 0)] * 4 + [(0, rows - nb * groups)], constant_values=7.0)
+    dq, dhead, ddiag, pairs = backward_kernel.assemble(
+        q, partial(earlier), partial(same), diagonal, by_key, p=p)
+    close = lambda x, y: np.testing.assert_allclose(  # noqa: E731
+        np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-4 * float(jnp.abs(y).max()))
+    close(dq, partial(causal))
+    close(dhead, jnp.where(earlier, dl, 0.0).sum(axis=-1))
+    close(ddiag, chunked.diagonal_straddle(diag_tiles).reshape(b, hq, n, c))
+    close(pairs, totals)
 
 
 @pytest.mark.parametrize("p", [2, 4])
