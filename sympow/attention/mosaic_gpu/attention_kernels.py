@@ -50,11 +50,11 @@ from sympow.attention.mosaic_gpu.blocks import (
     MEMORY_REGISTERS,
     ROW_VECTOR,
     ROWS,
-    SQUARE,
     TILE_ROWS,
     VECTOR,
     Ring,
     accumulate,
+    block_totals,
     by_cols,
     by_rows,
     decay_product,
@@ -62,7 +62,9 @@ from sympow.attention.mosaic_gpu.blocks import (
     launch,
     load_own,
     own_scratch,
+    program_position,
     row_vector,
+    scores,
     store_own,
     swizzled,
     tile,
@@ -76,21 +78,6 @@ from sympow.attention.mosaic_gpu.weights import (
 )
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def _program(heads: int, tiles: int):
-    """(b, h, n, tile, wg) of this program on the grid (tile, chunk, b * heads)."""
-    bh = lax.axis_index("bh")
-    return (lax.div(bh, heads), lax.rem(bh, heads), lax.axis_index("chunk"),
-            lax.axis_index("tile"), lax.axis_index("wg"))
-
-
-def _scores(a_ref, b_ref):
-    """a @ b^T of two [ROWS, width] shared-memory tiles, float32 [ROWS, ROWS]."""
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-        return acc_ref[...]
-    return pl.run_scoped(product, plgpu.ACC(SQUARE, F32))
 
 
 # The forward: query programs walking the key blocks back from the diagonal.
@@ -113,7 +100,7 @@ class _KeyWalk:
 
     @staticmethod
     def of(q_ref, tiles: int, groups: int, ring: Ring) -> _KeyWalk:
-        b, hq, n, tile, wg = _program(q_ref.shape[1], tiles)
+        b, hq, n, tile, wg = program_position(q_ref.shape[1])
         tile = tiles - 1 - tile  # the longest walks first
         return _KeyWalk(b, hq, lax.div(hq, groups), n, wg, COMPUTE_WGS * tile + COMPUTE_WGS - 1,
                         COMPUTE_WGS * tile + wg, ring)
@@ -192,7 +179,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
             acc, m2, den, size, mid = carry
             slot = ring.slot(step)
             k_smem, v_smem, tail_smem, tail_factor = walk.blocks(slot)
-            s = _scores(q_smem.at[wg], k_smem)
+            s = scores(q_smem.at[wg], k_smem)
             magnitude = jnp.abs(s)
             if on_diagonal:
                 magnitude = jnp.where(cols <= rows, magnitude, 0.0)
@@ -239,10 +226,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
 _KEY_GROUPS = ((0, 1, 2, 3),)
 
 
-def _block_totals(a):
-    return a.reshape(*a.shape[:-1], a.shape[-1] // ROWS, ROWS).sum(axis=-1)
-
-
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`
     but for m, the rows' shift: the exact row max of the logits or above it by at most
@@ -267,4 +250,4 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
         grid_names=("tile", "chunk", "bh"),
-        args=(q, k, v, a, head, tail, _block_totals(a), jnp.exp(tail)))
+        args=(q, k, v, a, head, tail, block_totals(a), jnp.exp(tail)))

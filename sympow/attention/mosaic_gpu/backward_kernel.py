@@ -38,7 +38,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sympow.attention import chunked
-from sympow.attention.mosaic_gpu.attention_kernels import _block_totals, _program, _scores
 from sympow.attention.mosaic_gpu.blocks import (
     COL_VECTOR,
     COMPUTE_REGISTERS,
@@ -50,6 +49,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     TILE_ROWS,
     VECTOR,
     Ring,
+    block_totals,
     by_cols,
     by_rows,
     decay_product,
@@ -57,7 +57,9 @@ from sympow.attention.mosaic_gpu.blocks import (
     launch,
     load_own,
     own_scratch,
+    program_position,
     row_vector,
+    scores,
     store_own,
     tile,
     write_mask,
@@ -81,7 +83,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
                      do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
                      diag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
                      walk_done, out, *, p, groups, tiles):
-    b, hk, n, tile_, wg = _program(k_ref.shape[1], tiles)
+    b, hk, n, tile_, wg = program_position(k_ref.shape[1])
     blocks = tiles * COMPUTE_WGS
     start = COMPUTE_WGS * tile_  # the first query block of the walk
     block = start + wg  # J: this warpgroup's key block
@@ -150,7 +152,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             hq = hk * groups + lax.rem(step, groups)
             queries = (b, hq, n, pl.ds(query_block * ROWS, ROWS))
             (q_smem,) = ring.wait(slot, 0)
-            s = _scores(k_own, q_smem)  # [keys j, queries i]
+            s = scores(k_own, q_smem)  # [keys j, queries i]
             (head_smem,) = ring.wait(slot, 4)  # waited on every step: the barrier phases
             m2 = plgpu.load(ring.wait(slot, 2)[0], (), layout=COL_VECTOR) * LOG2E
             c = plgpu.load(ring.wait(slot, 5)[0], (), layout=COL_VECTOR)
@@ -165,7 +167,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             w, dsdw = power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
             (do_smem,) = ring.wait(slot, 1)
             dden = plgpu.load(ring.wait(slot, 3)[0], (), layout=COL_VECTOR)
-            dw = _scores(v_smem.at[wg], do_smem) + by_cols(dden)
+            dw = scores(v_smem.at[wg], do_smem) + by_cols(dden)
             dl = w * dw
             ds = (dsdw * dw).astype(BF16)
             ds_smem[...] = ds  # the last step's products (which read it) were waited for
@@ -272,7 +274,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                  # through the ring's q and dO slots)
                  own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR)),
         grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"),
-        args=(q, k, v, a, head, tail, _block_totals(a), m, scales, do, dden, dq_off))
+        args=(q, k, v, a, head, tail, block_totals(a), m, scales, do, dden, dq_off))
     return assemble(q, dq_off[...], dq_diag, diagonal, pairs, p=p), (dk, dv, dtail)
 
 

@@ -75,6 +75,27 @@ def zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
 
 
+def program_position(heads: int):
+    """(b, h, n, tile, wg) of this program on an attention kernel's grid (tile, chunk,
+    b * heads) and its warpgroup."""
+    bh = lax.axis_index("bh")
+    return (lax.div(bh, heads), lax.rem(bh, heads), lax.axis_index("chunk"),
+            lax.axis_index("tile"), lax.axis_index("wg"))
+
+
+def scores(a_ref, b_ref):
+    """a @ b^T of two [ROWS, width] shared-memory tiles, float32 [ROWS, ROWS]."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(product, plgpu.ACC(SQUARE, jnp.float32))
+
+
+def block_totals(a):
+    """The sums of a [..., C] over its blocks of ROWS: [..., C / ROWS]."""
+    return a.reshape(*a.shape[:-1], a.shape[-1] // ROWS, ROWS).sum(axis=-1)
+
+
 def write_mask(smem, mask: Callable) -> None:
     """Writes the 0/1 bf16 matrix [r, c] = mask(r, c) to `smem` [ROWS, ROWS] for the tensor
     cores to read."""
