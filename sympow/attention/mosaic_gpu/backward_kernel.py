@@ -70,15 +70,6 @@ from sympow.attention.mosaic_gpu.weights import capped_exp2, power_terms
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def _transposed_product(a_smem, b_smem):
-    """a^T @ b (float32 [ROWS, width]) of a [ROWS, ROWS] bf16 tile and b [ROWS, width] in
-    shared memory, a read transposed by the tensor cores."""
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
-        return acc_ref[...]
-    return pl.run_scoped(product, plgpu.ACC((ROWS, b_smem.shape[-1]), F32))
-
-
 def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref,
                      do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
                      diag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
