@@ -109,7 +109,7 @@ def _attention_bwd(plan, res: Residuals, cts):
     (dq, dhead, ddiag, pairs), (dk, dv, dtail) = backward_kernel.attention_bwd(
         q, k, v, a, head, tail, m, scales, do, dden, p=plan.p)
     below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]  # [I, J]: the pairs written
-    pairs = jnp.where(below, pairs[..., :nb], 0.0)
+    pairs = jnp.where(below, pairs, 0.0)
     per_kv_head = lambda x: x.reshape(b, hk, hq // hk, *x.shape[2:]).sum(axis=2)  # noqa: E731
     in_blocks = lambda x: x.reshape(b, hk, n, nb, rows)  # noqa: E731
     da = chunked.block_gate_cotangent(
