@@ -176,9 +176,8 @@ class Ring:
     samples (ncu, H100, 2026-11-25), most for blocks already there. So the arrays a step
     uses at once share a group (the forward); a kernel that uses its blocks at different
     points of a step (the backward: q for the scores, m, head and c for the weights, dO
-    after)
-    keeps a group per array, so each wait is for the block needed next: every grouping of
-    its blocks measured slower (docs/kernels.md)."""
+    after) keeps a group per array, so each wait is for the block needed next: every
+    grouping of its blocks measured slower (docs/kernels.md)."""
 
     arrays: Sequence
     loaded: Sequence
