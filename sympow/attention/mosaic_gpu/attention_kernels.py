@@ -58,12 +58,15 @@ from sympow.attention.mosaic_gpu.blocks import (
     by_cols,
     by_rows,
     decay_product,
+    heads_of,
+    in_tokens,
     indices,
     launch,
     load_own,
     own_scratch,
     program_position,
     row_vector,
+    rows_at,
     scores,
     store_own,
     swizzled,
@@ -100,7 +103,7 @@ class _KeyWalk:
 
     @staticmethod
     def of(q_ref, tiles: int, groups: int, ring: Ring) -> _KeyWalk:
-        b, hq, n, tile, wg = program_position(q_ref.shape[1])
+        b, hq, n, tile, wg = program_position(heads_of(q_ref))
         tile = tiles - 1 - tile  # the longest walks first
         return _KeyWalk(b, hq, lax.div(hq, groups), n, wg, COMPUTE_WGS * tile + COMPUTE_WGS - 1,
                         COMPUTE_WGS * tile + wg, ring)
@@ -118,12 +121,17 @@ class _KeyWalk:
         """This warpgroup's query rows."""
         return pl.ds(self.block * ROWS, ROWS)
 
-    def fill(self, k_ref, v_ref, tl_ref, tail_factor_ref) -> None:
+    def fill(self, k_ref, v_ref, tl_ref, tail_factor_ref, chunk: int) -> None:
         """The memory warpgroup's part."""
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        self.ring.fill(self.steps, lambda step: tuple(
-            x.at[self.b, self.hk, self.n, pl.ds((self.top - step) * ROWS, ROWS)]
-            for x in (k_ref, v_ref, tl_ref, tail_factor_ref)))
+
+        def sources(step):
+            keys = pl.ds((self.top - step) * ROWS, ROWS)
+            wide = tuple(rows_at(x, self.b, self.hk, self.n, keys, chunk) for x in (k_ref, v_ref))
+            return (*wide, *(x.at[self.b, self.hk, self.n, keys]
+                             for x in (tl_ref, tail_factor_ref)))
+
+        self.ring.fill(self.steps, sources)
 
     def blocks(self, slot):
         """(k, v, tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a
@@ -169,8 +177,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, a_smem, hd_smem, ones_smem = own
-        mine = (b, hq, n, walk.rows)
-        load_own([(q_ref.at[mine], q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
+        mine, chunk = (b, hq, n, walk.rows), tiles * TILE_ROWS
+        load_own([(rows_at(q_ref, *mine, chunk), q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem)], wg, own_bars)
         decay_of, head = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
         rows, cols = indices()
@@ -212,11 +220,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
             jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
-        store_own([(acc, o_smem, o_ref.at[mine]), (den, den_smem, den_ref.at[mine]),
+        store_own([(acc, o_smem, rows_at(o_ref, *mine, chunk)), (den, den_smem, den_ref.at[mine]),
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
                     (scale_exponent, c_smem, c_ref.at[mine])], wg)
 
-    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref))
+    pl.when(wg == COMPUTE_WGS)(
+        lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref, tiles * TILE_ROWS))
 
 
 # The key blocks' barrier group (`Ring`): a forward step uses k, v, tail and exp(tail) at
@@ -235,18 +244,21 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     backward (`weights.power_terms`); for q [B,Hq,N,C,D], k [B,Hk,N,C,D],
     v [B,Hk,N,C,E] (bfloat16; C a multiple of TILE_ROWS, d and e in WIDTHS) and the log
     gates a with their `block_gate_sums` (head, tail) over blocks of ROWS, each [B,Hk,N,C]
-    float32."""
-    b, hq, n, c, d = q.shape
-    e = v.shape[-1]
+    float32. The wide arrays q, k, v (and o) may come in token layout instead, [B, T, H, W]
+    with T = N C (`blocks.in_tokens`; all three alike): o is then [B, T, Hq, E].
+    """
+    b, hk, n, c = a.shape
+    hq, d, e = heads_of(q), q.shape[-1], v.shape[-1]
     tiles = c // TILE_ROWS
+    o_shape = (b, n * c, hq, e) if in_tokens(q) else (b, hq, n, c, e)
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
     ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, _KEY_GROUPS)
     out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
-        lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // k.shape[1], tiles=tiles),
+        lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // hk, tiles=tiles),
         name="sympow_attention_fwd",
-        out_type=[jax.ShapeDtypeStruct((b, hq, n, c, e), F32),
+        out_type=[jax.ShapeDtypeStruct(o_shape, F32),
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
         grid_names=("tile", "chunk", "bh"),

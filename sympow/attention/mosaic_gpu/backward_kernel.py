@@ -20,10 +20,15 @@ tile's rows per query (they span warps):
 - the block-pair totals: each step's row sums pass through shared memory into the columns'
   layout (which every warp holds whole) behind the barrier the dQ partial's stage takes
   anyway, are summed within each warp, and leave ROWS pairs at a time;
-- the diagonal's straddle sums: XLA's `chunked.diagonal_straddle` of the diagonal blocks'
-  dl, which the kernel stores (three more products on them in the kernel, as the dQ kernel
-  took them, made ptxas serialize every wgmma of this one: 15.2 against 13.5 ms at
-  T = 16k, H = 12, H200).
+- the diagonal's straddle sums: `straddle_sums` (XLA, one batched product) of the
+  diagonal blocks' dl, which the kernel stores in bf16 (in the kernel, three products on
+  them as the dQ kernel took them made ptxas serialize every wgmma of this one, 15.2
+  against 13.5 ms at T = 16k, H = 12, H200; one product with both operands in shared
+  memory still did, 14.8 against 13.1).
+
+The wide arrays (q, k, v, dO and dq, dk, dv) come in chunk layout [B, H, N, C, W] or, for
+the attention form, in the callers' token layout [B, T, H, W] (`blocks.rows_at`: a TMA box
+of strided rows), which spares XLA the transposes to and from chunk layout.
 
 Shared memory: dk and dv leave through the ring's q and dO slots once both compute
 warpgroups are past their walks, which keeps d = e = 128 within the 227 KB.
@@ -37,7 +42,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sympow.attention import chunked
 from sympow.attention.mosaic_gpu.blocks import (
     COL_VECTOR,
     COMPUTE_REGISTERS,
@@ -53,12 +57,15 @@ from sympow.attention.mosaic_gpu.blocks import (
     by_cols,
     by_rows,
     decay_product,
+    heads_of,
+    in_tokens,
     indices,
     launch,
     load_own,
     own_scratch,
     program_position,
     row_vector,
+    rows_at,
     scores,
     store_own,
     tile,
@@ -74,7 +81,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
                      do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
                      diag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
                      walk_done, out, *, p, groups, tiles):
-    b, hk, n, tile_, wg = program_position(k_ref.shape[1])
+    b, hk, n, tile_, wg = program_position(heads_of(k_ref))
+    chunk = tiles * TILE_ROWS
     blocks = tiles * COMPUTE_WGS
     start = COMPUTE_WGS * tile_  # the first query block of the walk
     block = start + wg  # J: this warpgroup's key block
@@ -90,8 +98,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         ds_smem, stage_smem, rows_smem, pair_smem = (x.at[wg] for x in out[1:])
         rows_of = pl.ds(block * ROWS, ROWS)
         mine = (b, hk, n, rows_of)
-        load_own([(k_ref.at[mine], k_smem), (v_ref.at[mine], v_smem), (a_ref.at[mine], a_smem),
-                   (tl_ref.at[mine], tl_smem)], wg, own_bars)
+        load_own([(rows_at(k_ref, *mine, chunk), k_smem), (rows_at(v_ref, *mine, chunk), v_smem),
+                  (a_ref.at[mine], a_smem), (tl_ref.at[mine], tl_smem)], wg, own_bars)
         write_mask(ones_smem.at[wg], lambda k, i: k <= i)
         # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
         diagonal = decay_product(a_smem.at[wg], lambda j, k: k > j, ones_smem.at[wg]) * LOG2E
@@ -167,17 +175,22 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             dv, dk, parts = products(dv, dk, w.astype(BF16), ds, q_smem, do_smem)
             ring.release(slot)
             if on_diagonal:  # this block's own queries: stored, not reduced (one visit each)
-                store_partials(parts, lambda cols_: dq_diag_ref.at[(*queries, cols_)], None)
-                # its dl [keys, queries], for the straddle sums (XLA: a product here made
-                # ptxas serialize every wgmma of the kernel, 15.2 against 13.5 ms at 16k)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                stage_smem[...] = dl
+                store_partials(parts, lambda cols_: rows_at(dq_diag_ref, *queries, chunk, cols_),
+                               None)
+                # its dl [keys, queries] in bf16 for the straddle sums (`straddle_sums`, by
+                # XLA: one more product here, even with both operands in shared memory, made
+                # ptxas serialize every wgmma of the kernel and spill; 14.84 against 13.1 ms
+                # at T = 16k, H = 12, H200). ds_smem's last reader, the dQ product, was
+                # waited for; the store is waited for (read) before the next step writes ds.
+                ds_smem[...] = dl.astype(BF16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage_smem, diag_ref.at[b, hq, n, rows_of])
+                plgpu.copy_smem_to_gmem(ds_smem, diag_ref.at[b, hq, n, rows_of])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 return dk, dv, dtail, mid
             row_sums = dl.sum(axis=1)  # [keys]: this pair's share of dtail and its total
             rows_smem[...] = row_sums  # visible after the stage's barrier
-            store_partials(parts, lambda cols_: dq_off_ref.at[(*queries, cols_)], "add")
+            store_partials(parts, lambda cols_: rows_at(dq_off_ref, *queries, chunk, cols_),
+                           "add")
             column = start * groups + step  # the pair's column: query block * R + head
             slot_of_pair = lax.rem(column, ROWS)
             # the pair's total, a sum across the warpgroup's four warps: the row sums in
@@ -211,9 +224,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         plgpu.barrier_arrive(walked)
         plgpu.barrier_wait(walked)
         dk_smem, dv_smem = ring.arrays[0], ring.arrays[1]  # [stages = COMPUTE_WGS, ...]
-        store_own([(dk.astype(dk_ref.dtype), dk_smem, dk_ref.at[mine]),
-                    (dv.astype(dv_ref.dtype), dv_smem, dv_ref.at[mine]),
-                    (dtail, dtail_smem, dtail_ref.at[mine])], wg)
+        store_own([(dk.astype(dk_ref.dtype), dk_smem, rows_at(dk_ref, *mine, chunk)),
+                   (dv.astype(dv_ref.dtype), dv_smem, rows_at(dv_ref, *mine, chunk)),
+                   (dtail, dtail_smem, dtail_ref.at[mine])], wg)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -222,7 +235,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         def sources(step):
             rows_of = pl.ds((start + lax.div(step, groups)) * ROWS, ROWS)
             query = (b, hk * groups + lax.rem(step, groups), n, rows_of)
-            return (q_ref.at[query], do_ref.at[query], m_ref.at[query], dden_ref.at[query],
+            return (rows_at(q_ref, *query, chunk), rows_at(do_ref, *query, chunk),
+                    m_ref.at[query], dden_ref.at[query],
                     hd_ref.at[b, hk, n, rows_of], c_ref.at[query])
 
         ring.fill(steps, sources)
@@ -236,11 +250,12 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     dtype; dhead [B,Hq,N,C] (per query, dl summed over the keys of earlier blocks of ROWS)
     and dtail [B,Hk,N,C] (per key, over the queries of later blocks) float32; ddiag
     [B,Hq,N,C] float32, per k the sum of dl_ij over i >= k > j within k's diagonal block
-    (`chunked.diagonal_straddle` of the blocks' dl, which the kernel stores); pairs
+    (`straddle_sums` of the blocks' dl, which the kernel stores in bf16); pairs
     [B,Hq,N,C/ROWS,C/ROWS] float32: [I, J] the total of dl over the block pair for J < I,
-    unwritten for J >= I (the caller masks them)."""
-    b, hq, n, c, d = q.shape
-    hk, e = k.shape[1], v.shape[-1]
+    unwritten for J >= I (the caller masks them). The wide arrays (q, k, v, do and dq, dk,
+    dv) may all come in token layout [B, T, H, W] instead (`blocks.in_tokens`)."""
+    b, hk, n, c = a.shape
+    hq, d, e = heads_of(q), q.shape[-1], v.shape[-1]
     groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
     columns = -(-blocks * groups // ROWS) * ROWS  # the pairs [.., J, I * R + head], padded
     if stages != COMPUTE_WGS:
@@ -255,12 +270,12 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32),
                   jax.ShapeDtypeStruct(q.shape, F32),
-                  jax.ShapeDtypeStruct((b, hq, n, c, ROWS), F32),
+                  jax.ShapeDtypeStruct((b, hq, n, c, ROWS), BF16),
                   jax.ShapeDtypeStruct((b, hk, n, blocks, columns), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars,
                  *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
                  plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=COMPUTE_WGS),
-                 # dtail, ds (bf16), the stage of the dQ partials and of the diagonal's dl,
+                 # dtail, ds (bf16; on the diagonal then dl), the stage of the dQ partials,
                  # a step's row sums, the pair totals of up to ROWS steps (dk and dv leave
                  # through the ring's q and dO slots)
                  own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR)),
@@ -269,20 +284,37 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     return assemble(q, dq_off[...], dq_diag, diagonal, pairs, p=p), (dk, dv, dtail)
 
 
+def straddle_sums(diagonal):
+    """The diagonal blocks' straddle sums [B,Hq,N,C] (per k, sum_{j < k <= i} dl_ji within
+    k's block) from their dl tiles `diagonal` [B,Hq,N,C,ROWS] bfloat16 (keys j as rows,
+    queries i as columns): one batched product [k, i] = sum_{j < k} dl_ji of a 0/1 matrix
+    with the tiles (float32 accumulation), then row sums over i >= k; no transpose and no
+    cumulative sum (which XLA evaluated in 185-254 us at T = 4k, H = 12 from float32
+    tiles). dl carries bf16 rounding here, as ds does in dq."""
+    b, hq, n, c, _ = diagonal.shape
+    tiles = diagonal.reshape(b, hq, n, c // ROWS, ROWS, ROWS)
+    k = jnp.arange(ROWS)
+    below = (k[None, :] < k[:, None]).astype(diagonal.dtype)  # [k, j]: j < k
+    before = jnp.einsum("kj,...ji->...ki", below, tiles, preferred_element_type=F32)
+    return jnp.where(k[None, :] >= k[:, None], before, 0.0).sum(axis=-1).reshape(b, hq, n, c)
+
+
 def assemble(q, dq_off, dq_diag, diagonal, pairs, *, p: int):
     """(dq, dhead, ddiag, pairs) as `attention_bwd` returns them, from the kernel's outputs:
     dq_off and dq_diag [B,Hq,N,C,D] float32 (the partials ds^T K reduced over the key blocks
-    below each query block, and the diagonal blocks'), diagonal [B,Hq,N,C,ROWS] float32
-    (each diagonal block's dl with keys as rows), pairs [B,Hk,N,C/ROWS,P] float32 ([J,
-    I * R + head] the total of dl over a block pair, R query heads a kv head, P >= R C/ROWS).
-    dhead_i = q_i . dQ_off_i / p: dl_ij = ds_ij s_ij / p with s_ij = q_i . k_j."""
-    b, hq, n, c, _ = q.shape
+    below each query block, and the diagonal blocks'; or both [B,T,Hq,D], q's layout),
+    diagonal [B,Hq,N,C,ROWS] bfloat16 (`straddle_sums`), pairs [B,Hk,N,C/ROWS,P]
+    float32 ([J, I * R + head] the total of dl over a block pair, R query heads a kv head,
+    P >= R C/ROWS). dhead_i = q_i . dQ_off_i / p: dl_ij = ds_ij s_ij / p with
+    s_ij = q_i . k_j. dq comes in q's layout, the rest in chunk layout."""
+    ddiag = straddle_sums(diagonal)
+    b, hq, n, c = ddiag.shape
     hk, blocks = pairs.shape[1], c // ROWS
     groups = hq // hk
     dq = (dq_off + dq_diag).astype(q.dtype)
-    dhead = jnp.einsum("bhncd,bhncd->bhnc", q.astype(F32), dq_off) / p
-    diagonal = diagonal.reshape(b, hq, n, blocks, ROWS, ROWS)  # [.., J, keys j, queries i]
-    ddiag = chunked.diagonal_straddle(jnp.swapaxes(diagonal, -1, -2)).reshape(b, hq, n, c)
+    dhead = jnp.einsum("...d,...d->...", q.astype(F32), dq_off) / p
+    if in_tokens(q):  # [B, T, Hq] -> [B, Hq, N, C]
+        dhead = jnp.moveaxis(dhead.reshape(b, n, c, hq), 3, 1)
     # [b, hk, n, J, I * R + head] -> [b, hk * R + head, n, I, J]
     pairs = pairs[..., :blocks * groups].reshape(b, hk, n, blocks, blocks, groups)
     pairs = jnp.transpose(pairs, (0, 1, 5, 2, 4, 3)).reshape(b, hq, n, blocks, blocks)

@@ -83,6 +83,29 @@ def program_position(heads: int):
             lax.axis_index("tile"), lax.axis_index("wg"))
 
 
+def in_tokens(x) -> bool:
+    """Whether a wide array (q, k, v, o and their cotangents) is in token layout
+    [B, T, H, W] rather than chunk layout [B, H, N, C, W]: its rank tells."""
+    if len(x.shape) not in (4, 5):
+        raise ValueError(f"a wide array is [B, H, N, C, W] or [B, T, H, W]; got {x.shape}")
+    return len(x.shape) == 4
+
+
+def heads_of(x) -> int:
+    """The heads of a wide array in either layout (`in_tokens`)."""
+    return x.shape[2] if in_tokens(x) else x.shape[1]
+
+
+def rows_at(ref, b, h, n, rows, chunk: int, cols=slice(None)):
+    """Block `rows` (a pl.ds within chunk n) of head h of a wide array, in either layout
+    (`in_tokens`): in token layout the rows start at n * chunk + rows.start and lie H * W
+    elements apart, which a TMA copy reads as one strided box (the attention form's q, k, v
+    and outputs need no transposes to and from chunk layout around the kernels)."""
+    if not in_tokens(ref):
+        return ref.at[b, h, n, rows, cols]
+    return ref.at[b, pl.ds(n * chunk + rows.start, rows.size), h, cols]
+
+
 def scores(a_ref, b_ref):
     """a @ b^T of two [ROWS, width] shared-memory tiles, float32 [ROWS, ROWS]."""
     def product(acc_ref):

@@ -78,6 +78,17 @@ def attention(plan: Plan, q, k, v, a):
     return _hopper_attention(plan, q, k, v, a)
 
 
+def attention_in_tokens(plan: Plan, q, k, v, a):
+    """`attention` with the wide arrays in token layout: q [B, T, Hq, D], k [B, T, Hk, D],
+    v [B, T, Hk, E] and o [B, T, Hq, E] (T = N C), the rest as there; for plans that
+    `unsupported` passes (the portable kernels take chunk layout only): ValueError else."""
+    reason = unsupported(plan)
+    if reason is not None:
+        raise ValueError(f"the token layout needs the Mosaic GPU kernels, which cannot run "
+                         f"{reason}")
+    return _hopper_attention(plan, q, k, v, a)
+
+
 class Residuals(NamedTuple):
     q: jax.Array
     k: jax.Array
@@ -101,8 +112,8 @@ def _attention_fwd(plan, q, k, v, a):
 def _attention_bwd(plan, res: Residuals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
     q, k, v, a, m, scales = res
-    b, hq, n, c, _ = q.shape
-    hk, rows = k.shape[1], blocks.ROWS
+    b, hk, n, c = a.shape
+    hq, rows = blocks.heads_of(q), blocks.ROWS
     nb = c // rows
     head, tail = portable_kernels.block_gate_sums(a, plan)
     do = do.astype(q.dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -49,12 +50,19 @@ def _pad_last(x, size: int):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _pad_rows(x, rows: int):
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
 def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
                    log_g: LogGates | None, attention=vjps.attention,
-                   min_length: int = 16) -> Outputs:
+                   min_length: int = 16, in_tokens: Callable | None = None) -> Outputs:
     """Causal gated sympow attention, float32 [B, T, Hq, E]; see the module docstring.
     ``attention``: the attention primitive (plan, q, k, v, a) -> (o, den, m) (the Hopper
-    tier passes its own); T runs padded to at least ``min_length`` rows."""
+    tier passes its own); T runs padded to at least ``min_length`` rows. ``in_tokens``:
+    plan -> a primitive that takes q, k, v and gives o in token layout [B, T, H, W], or
+    None; where it gives one, the wide arrays skip chunk layout (no transposes: the
+    Hopper tier's kernels read and write the strided rows themselves)."""
     t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
     plan = make_form_plan(config.p, padded_width(d), padded_width(e),
                           max(min_length, padded_width(t)), jnp.dtype(q.dtype).name,
@@ -65,8 +73,12 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     q, k, _ = normalize_queries_and_keys(q, k)  # as the chunked driver: |Q_i . K_j| <= 1
     ct = compute_dtype(q, k, v)
     log_g = gates_or_zeros(log_g, k, ct)
-    qc, kc = (to_chunks(_pad_last(x, plan.d), 1, plan.c) for x in (q, k))  # [B, H, 1, C, D]
-    vc = to_chunks(_pad_last(v, plan.e), 1, plan.c)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
-    o, den, _ = attention(plan, qc, kc, vc, a)  # m: the rows' shift, no gradient
+    q, k, v = (_pad_last(x, width) for x, width in ((q, plan.d), (k, plan.d), (v, plan.e)))
+    token_primitive = in_tokens and in_tokens(plan)
+    if token_primitive:  # o [B, C, Hq, E], den [B, Hq, 1, C]; m: the rows' shift, no gradient
+        o, den, _ = token_primitive(plan, *(_pad_rows(x, plan.c) for x in (q, k, v)), a)
+        return safe_divide(o, jnp.moveaxis(den[:, :, 0], 1, 2))[:, :t, :, :e]
+    qc, kc, vc = (to_chunks(x, 1, plan.c) for x in (q, k, v))  # [B, H, 1, C, W]
+    o, den, _ = attention(plan, qc, kc, vc, a)
     return from_chunks(safe_divide(o, den), t)[..., :e]

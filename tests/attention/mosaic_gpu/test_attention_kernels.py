@@ -28,38 +28,66 @@ def lowered(fn, *shapes):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def operands(b, hq, hk, n, c, d, e):
+def wide(b, h, n, c, w, tokens: bool = False):
+    """A wide array's shape: chunk layout [B, H, N, C, W] or token layout [B, N C, H, W]."""
+    return (b, n * c, h, w) if tokens else (b, h, n, c, w)
+
+
+def operands(b, hq, hk, n, c, d, e, tokens: bool = False):
     bf16, f32 = jnp.bfloat16, jnp.float32
-    return [((b, hq, n, c, d), bf16), ((b, hk, n, c, d), bf16), ((b, hk, n, c, e), bf16),
+    return [(wide(b, hq, n, c, d, tokens), bf16), (wide(b, hk, n, c, d, tokens), bf16),
+            (wide(b, hk, n, c, e, tokens), bf16),
             ((b, hk, n, c), f32), ((b, hk, n, c), f32), ((b, hk, n, c), f32)]
 
 
+def tensor(shape, dtype: str) -> str:
+    return "tensor<" + "x".join(map(str, shape)) + f"x{dtype}>"
+
+
+LAYOUTS = pytest.mark.parametrize("tokens", [False, True], ids=["chunks", "tokens"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
-def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
+def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens):
     text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p),
-                   *operands(b, hq, hk, n, c, d, e))
+                   *operands(b, hq, hk, n, c, d, e, tokens))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    # the outputs: o [B, Hq, N, C, E], den, m and the row scales c [B, Hq, N, C], float32
-    rows = f"tensor<{b}x{hq}x{n}x{c}xf32>"
-    assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>, {rows}, {rows}, {rows}" in text
+    # the outputs: o (in q's layout), den, m and the row scales c [B, Hq, N, C], float32
+    rows = tensor((b, hq, n, c), "f32")
+    assert f"{tensor(wide(b, hq, n, c, e, tokens), 'f32')}, {rows}, {rows}, {rows}" in text
 
 
+@LAYOUTS
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
-def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p):
+def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens):
     f32 = jnp.float32
     text = lowered(lambda *x: backward_kernel.attention_bwd(*x, p=p),
-                   *operands(b, hq, hk, n, c, d, e), ((b, hq, n, c), f32), ((b, hq, n, c), f32),
-                   ((b, hq, n, c, e), jnp.bfloat16), ((b, hq, n, c), f32))
+                   *operands(b, hq, hk, n, c, d, e, tokens), ((b, hq, n, c), f32),
+                   ((b, hq, n, c), f32), (wide(b, hq, n, c, e, tokens), jnp.bfloat16),
+                   ((b, hq, n, c), f32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     blocks_ = c // blocks.ROWS
     columns = -(-blocks_ * (hq // hk) // blocks.ROWS) * blocks.ROWS
-    # its operands end with the float32 dQ its reductions add into (zeros, aliased); its
-    # outputs: dk, dv, dtail, the diagonal blocks' dQ and dl, the pair totals
-    assert f"tensor<{b}x{hq}x{n}x{c}x{d}xf32>) -> (" in text
-    assert (f"tensor<{b}x{hk}x{n}x{c}x{d}xbf16>, tensor<{b}x{hk}x{n}x{c}x{e}xbf16>, "
-            f"tensor<{b}x{hk}x{n}x{c}xf32>, tensor<{b}x{hq}x{n}x{c}x{d}xf32>, "
-            f"tensor<{b}x{hq}x{n}x{c}x{blocks.ROWS}xf32>, "
-            f"tensor<{b}x{hk}x{n}x{blocks_}x{columns}xf32>") in text
+    # its operands end with the float32 dQ its reductions add into (zeros, aliased, in q's
+    # layout); its outputs: dk, dv (the inputs' layout), dtail, the diagonal blocks' dQ
+    # and dl (bf16, keys as rows), the pair totals
+    dq = tensor(wide(b, hq, n, c, d, tokens), "f32")
+    assert f"{dq}) -> (" in text
+    assert (f"{tensor(wide(b, hk, n, c, d, tokens), 'bf16')}, "
+            f"{tensor(wide(b, hk, n, c, e, tokens), 'bf16')}, "
+            f"{tensor((b, hk, n, c), 'f32')}, {dq}, "
+            f"{tensor((b, hq, n, c, blocks.ROWS), 'bf16')}, "
+            f"{tensor((b, hk, n, blocks_, columns), 'f32')}") in text
+
+
+def test_a_wide_array_is_in_one_of_two_layouts():
+    assert blocks.in_tokens(jnp.zeros((1, 256, 2, 64))) and blocks.heads_of(
+        jnp.zeros((1, 256, 2, 64))) == 2
+    assert not blocks.in_tokens(jnp.zeros((1, 3, 1, 256, 64))) and blocks.heads_of(
+        jnp.zeros((1, 3, 1, 256, 64))) == 3
+    with pytest.raises(ValueError, match=r"\[B, H, N, C, W\] or \[B, T, H, W\]; got \(256, 64\)"):
+        blocks.in_tokens(jnp.zeros((256, 64)))
 
 
 def test_the_backward_takes_a_ring_of_one_slot_per_compute_warpgroup():
@@ -88,12 +116,14 @@ def test_bf16_parts_hold_float32(rng):
     assert np.all(low <= middle) and np.all(middle <= high)  # smallest first
 
 
-def test_the_backward_outputs_assemble_into_the_gate_pieces(rng):
+@LAYOUTS
+def test_the_backward_outputs_assemble_into_the_gate_pieces(rng, tokens):
     """`backward_kernel.assemble` against definitions from one random ds (dl = ds s / p):
     the kernel's layouts (the off-diagonal and diagonal dQ partials, each diagonal block's dl
-    with keys as rows, the pair totals by key block and query-block-major columns, grouped
-    query heads) give dq, dhead (dl over earlier blocks' keys), the straddle sums and the
-    pair totals [I, J]."""
+    in bf16 with keys as rows, the pair totals by key block and query-block-major columns,
+    grouped query heads) give dq, dhead (dl over earlier blocks' keys), the straddle sums (to
+    bf16 accuracy) and the pair totals [I, J]; in token layout dq stays in it and dhead
+    comes in chunk layout."""
     from sympow.attention import chunked
 
     b, hk, groups, n, c, d, p = 1, 2, 3, 2, 192, 64, 2
@@ -118,14 +148,44 @@ def test_the_backward_outputs_assemble_into_the_gate_pieces(rng):
     by_key = totals.reshape(b, hk, groups, n, nb, nb).transpose(0, 1, 3, 5, 4, 2)
     by_key = by_key.reshape(b, hk, n, nb, nb * groups)  # [J, I * R + head]
     by_key = jnp.pad(by_key, [(0, 0)] * 4 + [(0, rows - nb * groups)], constant_values=7.0)
+
+    def layout(x):  # [B, Hq, N, C, D] -> [B, N C, Hq, D] in token layout
+        return jnp.moveaxis(x, 1, 3).reshape(b, n * c, hq, d) if tokens else x
+
     dq, dhead, ddiag, pairs = backward_kernel.assemble(
-        q, partial(earlier), partial(same), diagonal, by_key, p=p)
+        *(layout(x) for x in (q, partial(earlier), partial(same))),
+        diagonal.astype(jnp.bfloat16), by_key, p=p)
+    dq = jnp.moveaxis(dq.reshape(b, n, c, hq, d), 3, 1) if tokens else dq
     close = lambda x, y: np.testing.assert_allclose(  # noqa: E731
         np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-4 * float(jnp.abs(y).max()))
     close(dq, partial(causal))
     close(dhead, jnp.where(earlier, dl, 0.0).sum(axis=-1))
-    close(ddiag, chunked.diagonal_straddle(diag_tiles).reshape(b, hq, n, c))
+    straddle = chunked.diagonal_straddle(diag_tiles).reshape(b, hq, n, c)
+    np.testing.assert_allclose(np.asarray(ddiag), np.asarray(straddle), rtol=2.0 ** -7,
+                               atol=2.0 ** -7 * float(jnp.abs(straddle).max()))
     close(pairs, totals)
+
+
+def test_the_straddle_sums_are_one_product_and_row_sums(rng):
+    """`backward_kernel.straddle_sums` of diagonal tiles dl [keys j, queries i] in bf16
+    ([k, i] = sum_{j < k} dl_ji as one product of a 0/1 matrix with the tiles, then row sums
+    over i >= k): `chunked.diagonal_straddle` (sum_{i >= k > j} dl_ij) to bf16 accuracy,
+    per block of ROWS. With the mask moved by one (j <= k) the check fails."""
+    from sympow.attention import chunked
+
+    rows, nb = blocks.ROWS, 3
+    k, i = np.arange(rows)[:, None], np.arange(rows)[None, :]
+    dl = jnp.asarray(np.where(k <= i, rng.normal(size=(2, 3, 1, nb, rows, rows)), 0.0),
+                     jnp.float32)  # [.., block, keys j, queries i]
+    want = np.asarray(chunked.diagonal_straddle(jnp.swapaxes(dl, -1, -2)), np.float64)
+    diagonal = dl.reshape(2, 3, 1, nb * rows, rows).astype(jnp.bfloat16)
+    got = np.asarray(backward_kernel.straddle_sums(diagonal)).reshape(want.shape)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2.0 ** -8
+    # the same arithmetic with the 0/1 matrix's diagonal included (j <= k): far outside
+    before = jnp.einsum("kj,...ji->...ki", jnp.asarray(i <= k, jnp.bfloat16),
+                        dl.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    wrong = np.asarray(jnp.where(jnp.asarray(i >= k), before, 0.0).sum(axis=-1))
+    assert np.linalg.norm(wrong - want) / np.linalg.norm(want) > 2.0 ** -8
 
 
 @pytest.mark.parametrize("p", [2, 4])

@@ -125,6 +125,62 @@ def test_the_hopper_backward_assembles_the_portable_gradients(rng, monkeypatch):
         assert testing.rel_err(x, y) <= 1e-5, testing.rel_err(x, y)
 
 
+def _chunks(x):  # a wide array [B, T, H, W] -> [B, H, 1, T, W]
+    return jnp.moveaxis(x, 2, 1)[:, :, None]
+
+
+def _tokens(x):  # [B, H, 1, T, W] -> [B, T, H, W]
+    return jnp.moveaxis(x[:, :, 0], 1, 2)
+
+
+def test_the_token_layout_form_is_the_portable_form(rng, monkeypatch):
+    """The attention form where the Mosaic kernels run: q, k, v, o and their cotangents stay
+    in token layout [B, T, H, W] (no transposes; rows padded to whole programs) around the
+    kernels. With the kernels' definitions in place (the portable forward kernel and
+    `kernel_outputs_by_definition`, taking chunk layout inside), its output and gradients
+    are the portable form's: the layouts, padding, den's transpose and the gate cotangent
+    are wired right. A kernel handed chunk layout here fails the test (the wrappers check)."""
+    seen = []
+
+    def forward_in_tokens(q, k, v, a, head, tail, *, p):
+        assert all(blocks.in_tokens(x) for x in (q, k, v))
+        seen.append(q.shape)
+        o, den, m = portable_kernels.attention_fwd(
+            _chunks(q), _chunks(k), _chunks(v), a, head, tail,
+            make_form_plan(p, q.shape[-1], v.shape[-1], q.shape[1], "float32", True))
+        return _tokens(o), den, m, jnp.full_like(m, jnp.nan)
+
+    def backward_in_tokens(q, k, v, a, head, tail, m, c, do, dden, *, p):
+        assert all(blocks.in_tokens(x) for x in (q, k, v, do))
+        (dq, *pieces), (dk, dv, dtail) = kernel_outputs_by_definition(
+            *(_chunks(x) for x in (q, k, v)), a, head, tail, m, c, _chunks(do), dden, p=p)
+        return (_tokens(dq), *pieces), (_tokens(dk), _tokens(dv), dtail)
+
+    monkeypatch.setattr(attention_kernels, "attention_fwd", forward_in_tokens)
+    monkeypatch.setattr(backward_kernel, "attention_bwd", backward_in_tokens)
+    monkeypatch.setattr(vjps, "unsupported", lambda plan: None)  # as on a Hopper GPU
+    config = AttentionConfig(p=2, algorithm="attention", backend="mosaic_gpu", interpret=True)
+    portable_config = dataclasses.replace(config, backend="pallas")
+    b, t, hq, hk, d = 2, 200, 4, 2, 16  # 200 rows: padded to 256, two programs
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, hk, d)), jnp.float32) for _ in range(2))
+    log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(b, t, hk))), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    got = out_and_vjp(lambda *x: hopper.attention_form(config, *x), (q, k, v, log_g), dy)
+    want = out_and_vjp(lambda *x: portable_form.attention_form(portable_config, *x),
+                       (q, k, v, log_g), dy)
+    assert seen == [(b, 256, hq, d)]  # the kernels saw token layout, rows padded
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert x.shape == y.shape
+        assert testing.rel_err(x, y) <= 1e-5, testing.rel_err(x, y)
+
+
+def test_the_token_layout_needs_the_mosaic_kernels():
+    with pytest.raises(ValueError, match="token layout needs the Mosaic GPU kernels, which "
+                                         "cannot run the interpreter"):
+        vjps.attention_in_tokens(gpu_plan(interpret=True), *[None] * 4)
+
+
 def test_the_tier_on_cpu_is_the_portable_tier(rng):
     """impl='mosaic_gpu' is a GPU row; its wrappers in the interpreter (as on any GPU that
     is not a Hopper) give the portable tier's result."""
