@@ -9,7 +9,8 @@ Sweep: bf16, B*T = 65536, T in --ts, H in --heads, d = e = 64, p = 2, gating on 
 causal. Each (impl, T, H) runs in its own process, so peak_bytes_in_use is that case's peak
 of fwd+bwd (inputs included). Times are medians of --reps runs after warm-up, each ended by
 block_until_ready. Writes benchmark.json and benchmark.png (log-log time vs T) under --out
-and prints a table with the ratio to cuDNN of the same run.
+and prints a table with the ratio to cuDNN of the same run; with --paired also the ratio of
+the two fwd + bwd timed in turns in one process (machines drift between processes).
 """
 
 import json
@@ -20,7 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import attention_inputs, timed  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import (  # noqa: E402  (experiments/timing.py, beside this script)
+    attention_inputs,
+    timed,
+    timed_interleaved,
+)
 
 _TS = flags.DEFINE_list("ts", ["1024", "4096", "16384", "65536"], "sequence lengths")
 _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
@@ -48,6 +53,9 @@ _FORM_VARIANTS = flags.DEFINE_list(
 _XLA_MAX_T = flags.DEFINE_integer("xla_max_t", 16384, "skip impl='xla' above this T")
 _TIMEOUT = flags.DEFINE_integer("timeout", 240, "seconds per case process")
 _TOKENS = flags.DEFINE_integer("tokens", 65536, "B * T")
+_PAIRED = flags.DEFINE_bool("paired", False, "also time each sympow case's fwd + bwd against "
+                            "cuDNN's in its own process, the two in turns (`timed_interleaved`)"
+                            ": the 'paired' column, a ratio free of the machine's drift")
 
 D = 64
 
@@ -90,23 +98,36 @@ def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:
     f = attention_fn(impl, chunk)
     fwd = jax.jit(f)
 
-    # The cotangent is an argument, as in training: closed over, it is a constant that XLA
-    # folds through the backward's first layout changes at compile time (a 128 MiB float32
-    # constant at T = 65,536 until 2026-11-25), which hides their time and skews the peak.
+    fwd_bwd = fwd_bwd_of(f)
+    args = (q, k, v, log_g, ct)
+    device = jax.devices()[0]
+    base = (device.memory_stats() or {}).get("bytes_in_use", 0)
+    jax.block_until_ready(fwd_bwd(*args))
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+    result = dict(impl=impl, p=_P.value, t=t, h=h, b=_TOKENS.value // t,
+                  fwd_ms=timed(fwd, q, k, v, log_g, reps=_REPS.value),
+                  fwd_bwd_ms=timed(fwd_bwd, *args, reps=_REPS.value),
+                  peak_gib=peak / 2**30, inputs_gib=base / 2**30, device=device.device_kind,
+                  jax=jax.__version__)
+    if _PAIRED.value and impl != "cudnn":  # after the peak was read: cuDNN's buffers not in it
+        result["paired_ms"], result["paired_cudnn_ms"] = timed_interleaved(
+            [(fwd_bwd, args), (fwd_bwd_of(attention_fn("cudnn")), args)], reps=_REPS.value)
+    return result
+
+
+def fwd_bwd_of(f):
+    """jit of (q, k, v, log_g, ct) -> the vjp of f at cotangent ct. The cotangent is an
+    argument, as in training: closed over, it is a constant that XLA folds through the
+    backward's first layout changes at compile time (a 128 MiB float32 constant at
+    T = 65,536 until 2026-11-25), which hides their time and skews the peak."""
+    import jax
+
     @jax.jit
     def fwd_bwd(q, k, v, log_g, ct):
         y, vjp = jax.vjp(f, q, k, v, log_g)
         return vjp(ct.astype(y.dtype))
 
-    device = jax.devices()[0]
-    base = (device.memory_stats() or {}).get("bytes_in_use", 0)
-    jax.block_until_ready(fwd_bwd(q, k, v, log_g, ct))
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
-    return dict(impl=impl, p=_P.value, t=t, h=h, b=_TOKENS.value // t,
-                fwd_ms=timed(fwd, q, k, v, log_g, reps=_REPS.value),
-                fwd_bwd_ms=timed(fwd_bwd, q, k, v, log_g, ct, reps=_REPS.value),
-                peak_gib=peak / 2**30, inputs_gib=base / 2**30, device=device.device_kind,
-                jax=jax.__version__)
+    return fwd_bwd
 
 
 def override_plans(spec: str, form: bool = False) -> int | None:
@@ -258,6 +279,7 @@ def sweep() -> list[dict]:
                 cmd = [sys.executable, __file__, f"--case={impl},{t},{h}",
                        f"--reps={_REPS.value}", f"--tokens={_TOKENS.value}", f"--p={_P.value}"]
                 cmd += [f"--chunk={_CHUNK.value}"] if _CHUNK.value else []
+                cmd += ["--paired"] if _PAIRED.value else []
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True,
                                           timeout=_TIMEOUT.value)
@@ -275,15 +297,17 @@ def report(results: list[dict]) -> None:
     cudnn = {(r["t"], r["h"]): r for r in results if r["impl"] == "cudnn" and "fwd_ms" in r}
     w = max([16] + [len(r["impl"]) for r in results])
     print(f"\n{'impl':{w}s} {'H':>3s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd':>8s} {'vs cuDNN':>9s} "
-          f"{'peak GiB':>9s}")
+          f"{'peak GiB':>9s} {'paired':>8s}")
     for r in results:
         if "fwd_ms" not in r:
             print(f"{r['impl']:{w}s} {r['h']:3d} {r['t']:6d}  skipped: {r['skipped']}")
             continue
         base = cudnn.get((r["t"], r["h"]))
         ratio = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:8.2f}x" if base else "       -"
+        paired = (f"{r['paired_cudnn_ms'] / r['paired_ms']:7.2f}x" if "paired_ms" in r
+                  else "       -")
         print(f"{r['impl']:{w}s} {r['h']:3d} {r['t']:6d} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} "
-              f"{ratio} {r['peak_gib']:9.2f}")
+              f"{ratio} {r['peak_gib']:9.2f} {paired}")
     if not _OUT.value:
         return
     out = Path(_OUT.value)
@@ -314,6 +338,12 @@ def report(results: list[dict]) -> None:
 
 def main(argv):
     del argv
+    if _PAIRED.value:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"--paired times each case against cuDNN, which needs a GPU; "
+                             f"the backend is {jax.default_backend()!r}")
     if _CASE.value:
         impl, t, h = _CASE.value.split(",")
         print(json.dumps(run_case(impl, int(t), int(h))))

@@ -45,6 +45,27 @@ def timed(fn, *args, reps: int, warmup: int = 2) -> float:
     return timed_call(fn, *args, reps=reps, warmup=warmup)[0] * 1e3
 
 
+def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
+    """Median milliseconds of each (fn, args) of `calls`, timed in turns: each round calls
+    every fn once (each ended by block_until_ready), `reps` rounds after `warmup`. Versions
+    compared this way see the same clocks and the same machine state; timed one after the
+    other (as `timed` in separate processes) their ratio also carries the machine's drift,
+    which moved cuDNN's own fwd + bwd by up to 5 % within one device call and 35 % between
+    calls on H200s (docs/benchmarks.md, 2026-11-26)."""
+    import jax
+
+    for _ in range(warmup):
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for (fn, args), column in zip(calls, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            column.append(time.perf_counter() - start)
+    return [statistics.median(column) * 1e3 for column in times]
+
+
 def trace_kernels(fn, *args, reps: int) -> tuple[list[tuple[str, float, float]], float]:
     """(`kernel_events` of `reps` calls of fn(*args) under jax.profiler.trace, after a
     compiling call; the wall seconds of those calls)."""

@@ -112,3 +112,22 @@ def test_hlo_kernels_read_the_older_metadata_form():
     assert timing.hlo_kernels(text) == {"loop_multiply_fusion_2": {
         "shape": "f32[4]{0}", "operands": ["f32[4]{0}"] * 2,
         "sources": ["model.py:12 jit(f)/mul"]}}
+
+
+def test_timed_interleaved_calls_the_versions_in_turns():
+    """Each round calls every version once, in order, after the warm-up rounds; one median
+    per version."""
+    import jax.numpy as jnp
+
+    order = []
+
+    def version(name):
+        def fn(x):
+            order.append(name)
+            return jnp.asarray(x)
+        return fn
+
+    medians = timing.timed_interleaved([(version("a"), (1,)), (version("b"), (2,))],
+                                       reps=3, warmup=1)
+    assert order == ["a", "b"] * 4
+    assert len(medians) == 2 and all(m >= 0 for m in medians)
