@@ -172,12 +172,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
     walk = _KeyWalk.of(q_ref, tiles, groups,
                        Ring.of(ring_arrays, ring_loaded, ring_freed, _KEY_GROUPS))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
+    chunk = tiles * TILE_ROWS
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, a_smem, hd_smem, ones_smem = own
-        mine, chunk = (b, hq, n, walk.rows), tiles * TILE_ROWS
+        mine = (b, hq, n, walk.rows)
         load_own([(rows_at(q_ref, *mine, chunk), q_smem), (a_ref.at[b, hk, n, walk.rows], a_smem),
                    (hd_ref.at[b, hk, n, walk.rows], hd_smem)], wg, own_bars)
         decay_of, head = walk.decays(a_smem.at[wg], hd_smem.at[wg], ones_smem.at[wg])
@@ -224,8 +225,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
                     (scale_exponent, c_smem, c_ref.at[mine])], wg)
 
-    pl.when(wg == COMPUTE_WGS)(
-        lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref, tiles * TILE_ROWS))
+    pl.when(wg == COMPUTE_WGS)(lambda: walk.fill(k_ref, v_ref, tl_ref, tf_ref, chunk))
 
 
 # The key blocks' barrier group (`Ring`): a forward step uses k, v, tail and exp(tail) at
