@@ -20,7 +20,8 @@ of random ids; the state is not donated, so each traced call starts from the sam
 Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
-first, with an XLA kernel's shapes and source lines (timing.hlo_kernels). Writes
+first, with an XLA kernel's shapes and source lines (timing.hlo_kernels); the GPU's idle
+time between kernels and its longest gaps by the kernels around them. Writes
 kernel_profile.json under --out.
 """
 
@@ -52,6 +53,7 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
 _SOURCES = flags.DEFINE_integer("sources", 2, "source lines printed per XLA kernel")
+_GAPS = flags.DEFINE_integer("gaps", 8, "idle gaps printed per case")
 _HLO = flags.DEFINE_string("hlo", "", "when set, each case's optimized HLO is written under "
                             "--out as <this>_<n>.hlo.txt")
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
@@ -192,6 +194,11 @@ def main(argv):
                   f"; per step {r['per_step']['wall_ms']} ms wall, "
                   f"{r['kernels_per_step']} kernels, busy {r['per_step']['busy_ms']} ms"
                   if r["kind"] == "decode" else ""))
+        print(f"  GPU idle {r['idle_ms']:.3f} ms a call; longest gaps, by the kernels "
+              "around them:")
+        for g in r["idle"][:_GAPS.value]:
+            print(f"  {g['total_us']:10.1f} us  {g['count']:6.1f}x  after {g['after'][:50]}"
+                  f"  before {g['before'][:50]}")
         for k in r["kernels"][:_TOP.value]:
             print(f"  {k['total_us']:10.1f} us  {k['count']:6.1f}x  {k['name'][:110]}")
             if "shape" in k:

@@ -14,8 +14,11 @@ variant (the papers' settings: bf16 compute, float32 parameters, Adam 6e-4), --t
 a step (context x documents), --steps steps on the embedded corpus (the 11 training documents
 cut into windows of the context, read in order and wrapped around). Reported: the algorithm
 the cost model chose for the model's attention call, compile seconds, the median step time
-over the steps after the first two, tokens/s, the loss of every step (must fall and stay
-finite) and the process's peak device memory.
+over the steps after the first two (each step waited for: its loss read), tokens/s; then
+the same --steps steps once more as trainer.py runs them (dispatched back to back, the
+losses read at the end: the host prepares the next step while the GPU runs this one), their
+mean step time and tokens/s ("pipelined"); the loss of every step of both passes (must fall
+and stay finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
 bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
@@ -195,11 +198,23 @@ def train_case(case: dict) -> dict:
         losses.append(float(metrics["loss"]))  # the host read waits for the step
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+    # The same steps again as trainer.py runs them: dispatched back to back, the losses read
+    # at the end (its log points), so the host prepares a step while the GPU runs the last.
+    start = time.perf_counter()
+    queued = []
+    for x, y in batches:
+        state, metrics = compiled(state, x, y)
+        queued.append(metrics["loss"])
+    losses += [float(v) for v in jax.device_get(queued)]
+    pipelined_s = (time.perf_counter() - start) / len(batches)
     finite = all(map(lambda v: v == v and abs(v) != float("inf"), losses))
     return {**case, "kind": "train", "rows": rows, "algorithm": chosen_algorithm(config, t),
             "params": mdef.num_params, "init_s": round(init_s, 2),
             "compile_s": round(compile_s, 1), "step_ms": round(step_s * 1e3, 2),
-            "tokens_per_s": round(rows * t / step_s), "losses": [round(v, 4) for v in losses],
+            "tokens_per_s": round(rows * t / step_s),
+            "pipelined_step_ms": round(pipelined_s * 1e3, 2),
+            "pipelined_tokens_per_s": round(rows * t / pipelined_s),
+            "losses": [round(v, 4) for v in losses],
             "finite": finite, "loss_fell": finite and losses[-1] < losses[0],
             "peak_gib": peak_gib()}
 
@@ -394,7 +409,8 @@ def report(results: list[dict]) -> None:
         value = "" if value is None else r[value]
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         if r["kind"] == "train":
-            note = f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
+            note = (f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
+                    f", pipelined {r['pipelined_tokens_per_s']} tok/s")
         elif r["kind"] == "decode":
             note = (f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB, "
                     f"{r['tokens_per_s']} tok/s, {r['launches_per_step']} launches/step")

@@ -113,11 +113,20 @@ def summarize_kernels(events: list[tuple[str, float, float]], *, calls: int,
                       wall_s: float) -> dict:
     """Per call: wall ms, kernels launched, busy ms (the union of the kernels' intervals:
     overlapping kernels count once) and each kernel name's count and total microseconds,
-    slowest first."""
-    busy_ns, end = 0.0, float("-inf")
-    for _, start, duration in sorted(events, key=lambda e: e[1]):
+    slowest first; idle ms (the GPU's gaps between its first kernel and its last, which
+    include the gaps between calls) and those gaps by the kernels around them ("after" the
+    kernel that ended last, "before" the next to start), longest total first: a gap
+    before a kernel that waited on the host shows as that pair's time."""
+    busy_ns, end, last = 0.0, float("-inf"), None
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for name, start, duration in sorted(events, key=lambda e: e[1]):
+        if last is not None and start > end:  # the GPU idle from `end` until this kernel
+            entry = gaps.setdefault((last, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += start - end
         busy_ns += max(0.0, start + duration - max(start, end))
-        end = max(end, start + duration)
+        if start + duration >= end:
+            end, last = start + duration, name
     totals: dict[str, list[float]] = {}
     for name, _, duration in events:
         entry = totals.setdefault(name, [0, 0.0])
@@ -126,8 +135,13 @@ def summarize_kernels(events: list[tuple[str, float, float]], *, calls: int,
     kernels = [{"name": name, "count": count / calls, "total_us": round(ns / calls / 1e3, 2)}
                for name, (count, ns) in totals.items()]
     kernels.sort(key=lambda k: -k["total_us"])
+    idle = [{"after": previous, "before": following, "count": count / calls,
+             "total_us": round(ns / calls / 1e3, 2)}
+            for (previous, following), (count, ns) in gaps.items()]
+    idle.sort(key=lambda g: -g["total_us"])
     return {"wall_ms": round(wall_s / calls * 1e3, 4), "kernels_per_call": len(events) / calls,
-            "busy_ms": round(busy_ns / calls / 1e6, 4), "kernels": kernels}
+            "busy_ms": round(busy_ns / calls / 1e6, 4), "kernels": kernels,
+            "idle_ms": round(sum(g["total_us"] for g in idle) / 1e3, 4), "idle": idle}
 
 
 def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:

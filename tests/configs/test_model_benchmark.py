@@ -36,7 +36,10 @@ def test_train_decode_and_forward_cases(tmp_path):
     # loops: the GPU's counts are in docs/benchmarks.md)
     assert all(r["launches_per_step"] > 0 for r in results[1:5])
     assert {tuple(r["tokens_shape"]) for r in results[1:5]} == {tuple(decode["tokens_shape"])}
-    assert train["rows"] == 4 and len(train["losses"]) == 3 and train["finite"]
+    # three steps waited for one by one, then the same three dispatched back to back
+    assert train["rows"] == 4 and len(train["losses"]) == 6 and train["finite"]
+    assert train["pipelined_tokens_per_s"] == pytest.approx(
+        4 * 64 / train["pipelined_step_ms"] * 1e3, rel=0.01)
     assert decode["batch"] == 2 and decode["tokens_shape"] == [2, 68]
     # tokens/s is batch x new tokens over the decode time: (generate - prefill) / new tokens
     decode_s = decode["ms_per_token"] * 4 / 1e3

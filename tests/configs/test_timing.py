@@ -28,6 +28,27 @@ def test_summary_counts_overlaps_once_and_divides_by_calls():
                                   {"name": "a", "count": 2.0, "total_us": 20.0}]
 
 
+def test_summary_names_the_gaps_by_the_kernels_around_them():
+    # One call (ns): "long" covers "short" (no gap after it), then the GPU idles 5 us
+    # before "late" and 2 us before "later"; the gap is timed from the end of "long",
+    # which ended last, not from "short".
+    events = [("long", 0, 10_000), ("short", 1_000, 2_000), ("late", 15_000, 1_000),
+              ("later", 18_000, 1_000)]
+    summary = timing.summarize_kernels(events, calls=1, wall_s=1e-4)
+    assert summary["idle_ms"] == pytest.approx(0.007)
+    assert summary["idle"] == [
+        {"after": "long", "before": "late", "count": 1.0, "total_us": 5.0},
+        {"after": "late", "before": "later", "count": 1.0, "total_us": 2.0}]
+    # two calls of the same sequence: the same pairs, per call, plus the gap between calls
+    second = [(name, start + 100_000, duration) for name, start, duration in events]
+    summary = timing.summarize_kernels(events + second, calls=2, wall_s=2e-4)
+    assert summary["idle"][0] == {"after": "later", "before": "long", "count": 0.5,
+                                  "total_us": 40.5}
+    assert summary["idle"][1:] == [
+        {"after": "long", "before": "late", "count": 1.0, "total_us": 5.0},
+        {"after": "late", "before": "later", "count": 1.0, "total_us": 2.0}]
+
+
 def test_summary_orders_slowest_first():
     events = [("fast", 0, 1000), ("slow", 2000, 5000), ("fast", 8000, 1000)]
     kernels = timing.summarize_kernels(events, calls=1, wall_s=1e-5)["kernels"]
