@@ -168,7 +168,7 @@ class _KeyWalk:
 
 def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_ref, den_ref,
                 m_ref, c_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed, out, *, p,
-                groups, tiles):
+                groups, tiles, normalized):
     walk = _KeyWalk.of(q_ref, tiles, groups,
                        Ring.of(ring_arrays, ring_loaded, ring_freed, _KEY_GROUPS))
     b, hq, hk, n, wg, ring = walk.b, walk.hq, walk.hk, walk.n, walk.wg, walk.ring
@@ -220,6 +220,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
             zeros((ROWS, e)), row_vector(-jnp.inf), row_vector(0.0), row_vector(0.0),
             jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
+        if normalized:  # y = o / den, 0 for a row without weight (`numerics.safe_divide`)
+            inverse = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+            acc = (acc * by_rows(inverse, acc.shape)).astype(o_ref.dtype)
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
         store_own([(acc, o_smem, rows_at(o_ref, *mine, chunk)), (den, den_smem, den_ref.at[mine]),
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
@@ -235,7 +238,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
 _KEY_GROUPS = ((0, 1, 2, 3),)
 
 
-def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
+def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2,
+                  normalized: bool = False):
     """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`
     but for m, the rows' shift: the exact row max of the logits or above it by at most
     SEPARABLE_SPREAD log2 units (`weights.separable_weights`; o and den are scaled by the same
@@ -246,6 +250,9 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     gates a with their `block_gate_sums` (head, tail) over blocks of ROWS, each [B,Hk,N,C]
     float32. The wide arrays q, k, v (and o) may come in token layout instead, [B, T, H, W]
     with T = N C (`blocks.in_tokens`; all three alike): o is then [B, T, Hq, E].
+    normalized: o comes divided by den (0 where den = 0) and in q's dtype, the attention
+    form's output Y (a chunk covers the sequence, so nothing is added to o and den later):
+    no float32 o in device memory, no division in XLA.
     """
     b, hk, n, c = a.shape
     hq, d, e = heads_of(q), q.shape[-1], v.shape[-1]
@@ -254,11 +261,13 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2):
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
     ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, _KEY_GROUPS)
-    out = (swizzled((COMPUTE_WGS, ROWS, e), F32), *own_scratch(VECTOR, VECTOR, VECTOR))
+    o_dtype = q.dtype if normalized else F32
+    out = (swizzled((COMPUTE_WGS, ROWS, e), o_dtype), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
-        lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // hk, tiles=tiles),
+        lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // hk, tiles=tiles,
+                                  normalized=normalized),
         name="sympow_attention_fwd",
-        out_type=[jax.ShapeDtypeStruct(o_shape, F32),
+        out_type=[jax.ShapeDtypeStruct(o_shape, o_dtype),
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
         scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
         grid_names=("tile", "chunk", "bh"),

@@ -50,11 +50,12 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
 
 def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
                    log_g: LogGates | None) -> Outputs:
-    """The attention form, float32 [B, T, Hq, E], T padded to whole programs of the kernel;
-    q, k, v and o in token layout where the Mosaic GPU kernels run (`vjps.unsupported`),
-    else the portable kernels' chunk layout."""
+    """The attention form [B, T, Hq, E], T padded to whole programs of the kernel: where the
+    Mosaic GPU kernels run (`vjps.unsupported`), q, k, v and y in token layout and y = o /
+    den from the forward kernel in v's dtype (`vjps.normalized_in_tokens`); else float32
+    from the portable kernels' chunk layout."""
     def in_tokens(plan):
-        return vjps.attention_in_tokens if vjps.unsupported(plan) is None else None
+        return vjps.normalized_in_tokens if vjps.unsupported(plan) is None else None
 
     return portable_form.attention_form(config, q, k, v, log_g, attention=vjps.attention,
                                         min_length=blocks.TILE_ROWS, in_tokens=in_tokens)

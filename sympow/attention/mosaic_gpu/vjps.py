@@ -6,6 +6,9 @@ custom_vjp whose forward and backward run `attention_kernels` and `backward_kern
 (wgmma, TMA, warp specialization); otherwise the portable tier's primitive, with the reason
 logged once.
 
+`normalized_in_tokens` is the attention form's call: the wide arrays in token layout and the
+output y = o / den from the forward kernel, under a custom_vjp of its own.
+
 The backward's gate cotangent comes from local sums as in the portable tier
 (`chunked.block_gate_cotangent`): dhead, dtail, the block-pair totals and the diagonal
 blocks' straddle sums from the one-pass backward kernel and its epilogue
@@ -28,6 +31,7 @@ from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.plan import Plan
 
 logger = logging.getLogger(__name__)
+F32 = jnp.float32
 HOPPER = "9.0"  # the compute capability of the H100 and H200: wgmma and TMA need it
 
 
@@ -78,15 +82,18 @@ def attention(plan: Plan, q, k, v, a):
     return _hopper_attention(plan, q, k, v, a)
 
 
-def attention_in_tokens(plan: Plan, q, k, v, a):
-    """`attention` with the wide arrays in token layout: q [B, T, Hq, D], k [B, T, Hk, D],
-    v [B, T, Hk, E] and o [B, T, Hq, E] (T = N C), the rest as there; for plans that
-    `unsupported` passes (the portable kernels take chunk layout only): ValueError else."""
+def normalized_in_tokens(plan: Plan, q, k, v, a):
+    """The attention form's output y = o / den [B, T, Hq, E] in q's dtype (0 where den = 0,
+    as `numerics.safe_divide`) for q [B, T, Hq, D], k [B, T, Hk, D], v [B, T, Hk, E] in
+    token layout and a [B, Hk, 1, T] (one chunk: T = C); for plans that `unsupported`
+    passes (the portable kernels take chunk layout only): ValueError else. The forward
+    kernel divides (`attention_fwd(normalized=True)`), so no float32 o is stored; the
+    backward forms o's and den's cotangents from dy and y."""
     reason = unsupported(plan)
     if reason is not None:
         raise ValueError(f"the token layout needs the Mosaic GPU kernels, which cannot run "
                          f"{reason}")
-    return _hopper_attention(plan, q, k, v, a)
+    return _hopper_normalized(plan, q, k, v, a)
 
 
 class Residuals(NamedTuple):
@@ -111,6 +118,43 @@ def _attention_fwd(plan, q, k, v, a):
 
 def _attention_bwd(plan, res: Residuals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
+    return _backward(plan, res, do, dden)
+
+
+_hopper_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _hopper_normalized(plan: Plan, q, k, v, a):
+    return _normalized_fwd(plan, q, k, v, a)[0]
+
+
+def _normalized_fwd(plan, q, k, v, a):
+    head, tail = portable_kernels.block_gate_sums(a, plan)
+    y, den, m, c = attention_kernels.attention_fwd(q, k, v, a, head, tail, p=plan.p,
+                                                   normalized=True)
+    return y, (Residuals(q, k, v, a, m, c), y, den)
+
+
+def _normalized_bwd(plan, res, dy):
+    """y = o / den: do = dy / den and dden = -(dy . o) / den^2 = -(dy . y) / den; both 0
+    where den = 0 (y is 0 there whatever o is)."""
+    res, y, den = res
+    b, t, hq, _ = y.shape
+    by_token = jnp.moveaxis(den.reshape(b, hq, t), 1, 2)  # [B, Hq, 1, T] -> [B, T, Hq]
+    positive = by_token > 0
+    inverse = jnp.where(positive, 1.0 / jnp.where(positive, by_token, 1.0), 0.0)
+    dy = dy.astype(F32)
+    do = dy * inverse[..., None]
+    dden = -jnp.einsum("bthe,bthe->bth", do, y.astype(F32))
+    return _backward(plan, res, do, jnp.moveaxis(dden, 2, 1).reshape(den.shape))
+
+
+_hopper_normalized.defvjp(_normalized_fwd, _normalized_bwd)
+
+
+def _backward(plan, res: Residuals, do, dden):
+    """(dq, dk, dv, da) from the cotangents of o and den."""
     q, k, v, a, m, scales = res
     b, hk, n, c = a.shape
     hq, rows = blocks.heads_of(q), blocks.ROWS
@@ -127,6 +171,3 @@ def _attention_bwd(plan, res: Residuals, cts):
         in_blocks(per_kv_head(dhead)), in_blocks(dtail), in_blocks(per_kv_head(ddiag)),
         per_kv_head(pairs))
     return dq, dk, dv, da.reshape(a.shape)
-
-
-_hopper_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -60,9 +60,10 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     """Causal gated sympow attention, float32 [B, T, Hq, E]; see the module docstring.
     ``attention``: the attention primitive (plan, q, k, v, a) -> (o, den, m) (the Hopper
     tier passes its own); T runs padded to at least ``min_length`` rows. ``in_tokens``:
-    plan -> a primitive that takes q, k, v and gives o in token layout [B, T, H, W], or
-    None; where it gives one, the wide arrays skip chunk layout (no transposes: the
-    Hopper tier's kernels read and write the strided rows themselves)."""
+    plan -> a primitive (plan, q, k, v, a) -> y = o / den (0 where den = 0) that takes and
+    gives the wide arrays in token layout [B, T, H, W], or None; where it gives one, they
+    skip chunk layout (no transposes: the Hopper tier's kernels read and write the strided
+    rows themselves, and divide), and y comes in that primitive's dtype."""
     t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
     plan = make_form_plan(config.p, padded_width(d), padded_width(e),
                           max(min_length, padded_width(t)), jnp.dtype(q.dtype).name,
@@ -76,9 +77,9 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
     q, k, v = (_pad_last(x, width) for x, width in ((q, plan.d), (k, plan.d), (v, plan.e)))
     token_primitive = in_tokens and in_tokens(plan)
-    if token_primitive:  # o [B, C, Hq, E], den [B, Hq, 1, C]; m: the rows' shift, no gradient
-        o, den, _ = token_primitive(plan, *(_pad_rows(x, plan.c) for x in (q, k, v)), a)
-        return safe_divide(o, jnp.moveaxis(den[:, :, 0], 1, 2))[:, :t, :, :e]
+    if token_primitive:  # y [B, C, Hq, E]
+        y = token_primitive(plan, *(_pad_rows(x, plan.c) for x in (q, k, v)), a)
+        return y[:, :t, :, :e]
     qc, kc, vc = (to_chunks(x, 1, plan.c) for x in (q, k, v))  # [B, H, 1, C, W]
     o, den, _ = attention(plan, qc, kc, vc, a)
     return from_chunks(safe_divide(o, den), t)[..., :e]

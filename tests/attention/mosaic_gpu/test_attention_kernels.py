@@ -60,6 +60,18 @@ def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, t
 
 @LAYOUTS
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
+def test_the_normalized_forward_gives_y_in_the_inputs_dtype(b, hq, hk, n, c, d, e, p, tokens):
+    """normalized=True: o / den in q's dtype (bf16) where o was float32; the rest as
+    before."""
+    text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p, normalized=True),
+                   *operands(b, hq, hk, n, c, d, e, tokens))
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    rows = tensor((b, hq, n, c), "f32")
+    assert f"{tensor(wide(b, hq, n, c, e, tokens), 'bf16')}, {rows}, {rows}, {rows}" in text
+
+
+@LAYOUTS
+@pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
 def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens):
     f32 = jnp.float32
     text = lowered(lambda *x: backward_kernel.attention_bwd(*x, p=p),

@@ -22,6 +22,7 @@ from sympow.attention.pallas import attention_form as portable_form
 from sympow.attention.pallas import attention_kernels as portable_kernels
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.plan import make_form_plan
+from sympow.numerics import safe_divide
 from tests.attention.pallas.helpers import chunk_inputs, compiled, out_and_vjp
 
 
@@ -138,17 +139,20 @@ def test_the_token_layout_form_is_the_portable_form(rng, monkeypatch):
     in token layout [B, T, H, W] (no transposes; rows padded to whole programs) around the
     kernels. With the kernels' definitions in place (the portable forward kernel and
     `kernel_outputs_by_definition`, taking chunk layout inside), its output and gradients
-    are the portable form's: the layouts, padding, den's transpose and the gate cotangent
-    are wired right. A kernel handed chunk layout here fails the test (the wrappers check)."""
+    are the portable form's: the layouts, padding, den's transpose, the cotangents of o and
+    den formed from y (`vjps.normalized_in_tokens`) and the gate cotangent are wired right,
+    also for a zero query (den = 0: y = 0 and no NaN). A kernel handed chunk layout here
+    fails the test (the wrappers check)."""
     seen = []
 
-    def forward_in_tokens(q, k, v, a, head, tail, *, p):
-        assert all(blocks.in_tokens(x) for x in (q, k, v))
+    def forward_in_tokens(q, k, v, a, head, tail, *, p, normalized=False):
+        assert all(blocks.in_tokens(x) for x in (q, k, v)) and normalized
         seen.append(q.shape)
         o, den, m = portable_kernels.attention_fwd(
             _chunks(q), _chunks(k), _chunks(v), a, head, tail,
             make_form_plan(p, q.shape[-1], v.shape[-1], q.shape[1], "float32", True))
-        return _tokens(o), den, m, jnp.full_like(m, jnp.nan)
+        y = safe_divide(_tokens(o), _tokens(den[..., None])[..., 0])  # as the kernel divides
+        return y.astype(q.dtype), den, m, jnp.full_like(m, jnp.nan)
 
     def backward_in_tokens(q, k, v, a, head, tail, m, c, do, dden, *, p):
         assert all(blocks.in_tokens(x) for x in (q, k, v, do))
@@ -163,10 +167,12 @@ def test_the_token_layout_form_is_the_portable_form(rng, monkeypatch):
     portable_config = dataclasses.replace(config, backend="pallas")
     b, t, hq, hk, d = 2, 200, 4, 2, 16  # 200 rows: padded to 256, two programs
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    q = q.at[1, 37, 2].set(0.0)  # no weight on any key: den = 0
     k, v = (jnp.asarray(rng.normal(size=(b, t, hk, d)), jnp.float32) for _ in range(2))
     log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(b, t, hk))), jnp.float32)
     dy = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
     got = out_and_vjp(lambda *x: hopper.attention_form(config, *x), (q, k, v, log_g), dy)
+    assert not np.any(np.asarray(got[0][1, 37, 2]))  # y = 0 where den = 0
     want = out_and_vjp(lambda *x: portable_form.attention_form(portable_config, *x),
                        (q, k, v, log_g), dy)
     assert seen == [(b, 256, hq, d)]  # the kernels saw token layout, rows padded
@@ -178,7 +184,7 @@ def test_the_token_layout_form_is_the_portable_form(rng, monkeypatch):
 def test_the_token_layout_needs_the_mosaic_kernels():
     with pytest.raises(ValueError, match="token layout needs the Mosaic GPU kernels, which "
                                          "cannot run the interpreter"):
-        vjps.attention_in_tokens(gpu_plan(interpret=True), *[None] * 4)
+        vjps.normalized_in_tokens(gpu_plan(interpret=True), *[None] * 4)
 
 
 def test_the_tier_on_cpu_is_the_portable_tier(rng):
