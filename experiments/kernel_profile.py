@@ -21,7 +21,8 @@ Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B 
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
 first, with an XLA kernel's shapes and source lines (timing.hlo_kernels); the GPU's idle
-time between kernels and its longest gaps by the kernels around them. Writes
+time between kernels and its longest gaps by the kernels around them; the time by
+source file (`timing.time_by_source`). Writes
 kernel_profile.json under --out.
 """
 
@@ -37,6 +38,7 @@ from timing import (  # noqa: E402
     attention_inputs,
     hlo_kernels,
     summarize_kernels,
+    time_by_source,
     trace_kernels,
 )
 
@@ -75,6 +77,7 @@ def traced(fn, *args, reps: int) -> dict:
     hlo = hlo_kernels(text)
     for kernel in summary["kernels"]:
         kernel.update(hlo.get(kernel["name"], {}))
+    summary["by_source"] = time_by_source(summary["kernels"])
     return summary
 
 
@@ -199,6 +202,8 @@ def main(argv):
         for g in r["idle"][:_GAPS.value]:
             print(f"  {g['total_us']:10.1f} us  {g['count']:6.1f}x  after {g['after'][:50]}"
                   f"  before {g['before'][:50]}")
+        print("  by source file: " + ", ".join(
+            f"{row['source']} {row['total_us'] / 1e3:.2f} ms" for row in r["by_source"][:8]))
         for k in r["kernels"][:_TOP.value]:
             print(f"  {k['total_us']:10.1f} us  {k['count']:6.1f}x  {k['name'][:110]}")
             if "shape" in k:

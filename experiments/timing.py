@@ -144,6 +144,23 @@ def summarize_kernels(events: list[tuple[str, float, float]], *, calls: int,
             "idle_ms": round(sum(g["total_us"] for g in idle) / 1e3, 4), "idle": idle}
 
 
+def time_by_source(kernels: list[dict]) -> list[dict]:
+    """The kernels' time by the Python file of their most frequent operation's innermost
+    frame ({"source": "rotary.py", "total_us", "kernels"}, longest first): XLA's kernels
+    carry `hlo_kernels`' "sources"; the others (cuBLAS, cuDNN, Mosaic GPU, memsets) count
+    under "(no source)". A fusion of several files' operations counts under its first."""
+    totals: dict[str, list[float]] = {}
+    for kernel in kernels:
+        sources = kernel.get("sources") or []
+        file = sources[0].split(" ", 1)[0].rsplit(":", 1)[0] if sources else "(no source)"
+        entry = totals.setdefault(file, [0.0, 0])
+        entry[0] += kernel["total_us"]
+        entry[1] += 1
+    rows = [{"source": file, "total_us": round(us, 2), "kernels": n}
+            for file, (us, n) in totals.items()]
+    return sorted(rows, key=lambda row: -row["total_us"])
+
+
 def hlo_kernels(hlo_text: str, *, top: int = 4) -> dict[str, dict]:
     """For each instruction of an optimized HLO module that calls a computation (the fusions
     and wrapped ops a profile names as kernels): {"shape": its result type, "operands": its

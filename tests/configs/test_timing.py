@@ -49,6 +49,20 @@ def test_summary_names_the_gaps_by_the_kernels_around_them():
         {"after": "late", "before": "later", "count": 1.0, "total_us": 2.0}]
 
 
+def test_time_by_source_takes_the_first_sources_file():
+    kernels = [
+        {"name": "fusion_a", "total_us": 5.0,
+         "sources": ["rotary.py:89 < attention.py:193 jvp()/mul", "api.py:191 < x.py:1 add"]},
+        {"name": "fusion_b", "total_us": 2.5, "sources": ["api.py:191 < attention.py:305 div"]},
+        {"name": "fusion_c", "total_us": 1.0, "sources": ["rotary.py:69 jvp()/cos"]},
+        {"name": "nvjet_gemm", "total_us": 9.0},
+        {"name": "fusion_d", "total_us": 0.5, "sources": []}]
+    assert timing.time_by_source(kernels) == [
+        {"source": "(no source)", "total_us": 9.5, "kernels": 2},
+        {"source": "rotary.py", "total_us": 6.0, "kernels": 2},
+        {"source": "api.py", "total_us": 2.5, "kernels": 1}]
+
+
 def test_summary_orders_slowest_first():
     events = [("fast", 0, 1000), ("slow", 2000, 5000), ("fast", 8000, 1000)]
     kernels = timing.summarize_kernels(events, calls=1, wall_s=1e-5)["kernels"]
