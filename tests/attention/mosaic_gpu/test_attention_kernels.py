@@ -48,26 +48,18 @@ LAYOUTS = pytest.mark.parametrize("tokens", [False, True], ids=["chunks", "token
 
 
 @LAYOUTS
+@pytest.mark.parametrize("normalized", [False, True], ids=["o", "y"])
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
-def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens):
-    text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p),
-                   *operands(b, hq, hk, n, c, d, e, tokens))
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    # the outputs: o (in q's layout), den, m and the row scales c [B, Hq, N, C], float32
-    rows = tensor((b, hq, n, c), "f32")
-    assert f"{tensor(wide(b, hq, n, c, e, tokens), 'f32')}, {rows}, {rows}, {rows}" in text
-
-
-@LAYOUTS
-@pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
-def test_the_normalized_forward_gives_y_in_the_inputs_dtype(b, hq, hk, n, c, d, e, p, tokens):
-    """normalized=True: o / den in q's dtype (bf16) where o was float32; the rest as
-    before."""
-    text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p, normalized=True),
+def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens,
+                                                     normalized):
+    """The outputs: o (in q's layout; float32, or with normalized=True o / den in q's dtype,
+    bf16), den, m and the row scales c [B, Hq, N, C], float32."""
+    text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p, normalized=normalized),
                    *operands(b, hq, hk, n, c, d, e, tokens))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     rows = tensor((b, hq, n, c), "f32")
-    assert f"{tensor(wide(b, hq, n, c, e, tokens), 'bf16')}, {rows}, {rows}, {rows}" in text
+    wide_dtype = "bf16" if normalized else "f32"
+    assert f"{tensor(wide(b, hq, n, c, e, tokens), wide_dtype)}, {rows}, {rows}, {rows}" in text
 
 
 @LAYOUTS
