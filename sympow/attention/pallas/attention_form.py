@@ -34,6 +34,7 @@ from sympow.attention.chunked import (
 from sympow.attention.config import AttentionConfig
 from sympow.attention.pallas import vjps
 from sympow.attention.pallas.plan import make_form_plan, padded_width
+from sympow.attention.pallas.primitives import pad_to
 from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
 from sympow.numerics import compute_dtype, safe_divide
 
@@ -44,14 +45,6 @@ logger = logging.getLogger(__name__)
 def _log_fallback(reason: str) -> None:
     logger.warning("sympow impl='pallas', algorithm='attention' falls back to 'xla' for %s",
                    reason)
-
-
-def _pad_last(x, size: int):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
-
-
-def _pad_rows(x, rows: int):
-    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
@@ -75,10 +68,10 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     ct = compute_dtype(q, k, v)
     log_g = gates_or_zeros(log_g, k, ct)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
-    q, k, v = (_pad_last(x, width) for x, width in ((q, plan.d), (k, plan.d), (v, plan.e)))
+    q, k, v = (pad_to(x, -1, width) for x, width in ((q, plan.d), (k, plan.d), (v, plan.e)))
     token_primitive = in_tokens and in_tokens(plan)
     if token_primitive:  # y [B, C, Hq, E]
-        y = token_primitive(plan, *(_pad_rows(x, plan.c) for x in (q, k, v)), a)
+        y = token_primitive(plan, *(pad_to(x, 1, plan.c) for x in (q, k, v)), a)
         return y[:, :t, :, :e]
     qc, kc, vc = (to_chunks(x, 1, plan.c) for x in (q, k, v))  # [B, H, 1, C, W]
     o, den, _ = attention(plan, qc, kc, vc, a)
