@@ -7,8 +7,13 @@ uses mu_i = mu_{i-1} + beta_i with beta_i = 1 + tanh(W_beta X_i) in (0, 2) per h
 score of (i, j) depends only on c_ij = mu_i - mu_j = sum_{k=j+1..i} beta_k. Rotation is
 applied to Q and K before the attention; the kernels never see it.
 
-Angles are float32. For very long contexts mu_i * theta_j grows to ~1e5 rad and float32
-keeps ~1e-2 rad of it; the relative property then holds to that precision.
+Angles are float32, returned reduced to [-pi, pi]: mu_i theta_j / (2 pi) in turns less its
+nearest integer, times 2 pi. For very long contexts mu_i * theta_j grows to ~1e5 rad and
+float32 keeps ~1e-2 rad of it either way (the relative property then holds to that
+precision); the reduction costs nothing in accuracy (exact for theta_0 = 2 pi, whose turns
+are mu_i itself) and keeps cos and sin on their fast path: on a GPU, arguments beyond ~1e5
+take a slow exact reduction, which made the cosines 4x slower at context 65,536 than at
+4,096 in GPT-2 small's training step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,8 +42,17 @@ def rotary_rates(d: int, base: float = 65536.0) -> Float[Array, " D/2"]:
 def fixed_rotary_angles(
     positions: Float[Array, "... T"], theta: Float[Array, " D/2"]
 ) -> Float[Array, "... T D/2"]:
-    """Angles mu_i * theta for fixed rotary with mu_i = positions[i] (usually arange(T))."""
-    return jnp.asarray(positions, jnp.float32)[..., None] * theta
+    """Angles mu_i * theta (mod 2 pi) for fixed rotary with mu_i = positions[i] (usually
+    arange(T))."""
+    return _reduced_angles(jnp.asarray(positions, jnp.float32), theta)
+
+
+def _reduced_angles(mu: Float[Array, "..."], theta: Float[Array, " D/2"]
+                    ) -> Float[Array, "... D/2"]:
+    """mu theta reduced to [-pi, pi] (see the module docstring); its derivative in mu is
+    theta (the nearest integer is locally constant)."""
+    turns = mu[..., None] * (theta / (2 * jnp.pi))
+    return (2 * jnp.pi) * (turns - jnp.round(turns))
 
 
 def learned_rotary_angles(
@@ -46,7 +60,8 @@ def learned_rotary_angles(
     theta: Float[Array, " D/2"],
     mu0: Float[Array, "B H"] | None = None,
 ) -> tuple[Float[Array, "B T H D/2"], Float[Array, "B T H"]]:
-    """Data-dependent angles of [conformal] §3.2: mu_i = mu_{i-1} + beta_i, angle = mu_i * theta.
+    """Data-dependent angles of [conformal] §3.2: mu_i = mu_{i-1} + beta_i, angle = mu_i * theta
+    (mod 2 pi).
 
     Args:
       beta: [B, T, H] rate multipliers (1 + tanh(W_beta x) in the layers), per head.
@@ -66,7 +81,7 @@ def learned_rotary_angles(
             raise ValueError(f"mu0 must be [B, H] = {(beta.shape[0], beta.shape[2])}, "
                              f"got shape {mu0.shape} (beta shape {beta.shape})")
         mu = mu + mu0[:, None, :]
-    return mu[..., None] * theta, mu
+    return _reduced_angles(mu, theta), mu
 
 
 def apply_rotary(

@@ -64,6 +64,24 @@ def test_learned_rotary_continues_from_mu0(rng):
         sympow.learned_rotary_angles(beta, theta, mu0=jnp.zeros((2, 4)))
 
 
+def test_angles_are_reduced_and_exact_for_whole_turns():
+    """Angles come reduced to [-pi, pi] with derivative theta in mu; theta_0 = 2 pi's turns
+    are mu itself, so at mu = 65,536.25 the angle is pi / 2 to float32 precision, where the
+    unreduced product mu * 2 pi in float32 is off by ~0.03 rad."""
+    theta = sympow.rotary_rates(8)
+    mu = jnp.asarray([[65536.25, 100_003.5, 3.0]], jnp.float32)  # [1, T]
+    angles = sympow.fixed_rotary_angles(mu[0], theta)  # [T, 4]
+    assert float(jnp.max(jnp.abs(angles))) <= np.pi + 1e-6
+    assert abs(float(angles[0, 0]) - np.pi / 2) < 1e-6
+    assert abs(float(jnp.float32(mu[0, 0]) * theta[0]) % (2 * np.pi) - np.pi / 2) > 1e-3
+    exact = np.asarray(mu[0], np.float64)[:, None] * np.asarray(theta, np.float64)
+    for f in (np.cos, np.sin):  # within float32's hold on mu theta (~ulp of 7e5 rad)
+        np.testing.assert_allclose(f(np.asarray(angles, np.float64)), f(exact), atol=0.1)
+    beta = jnp.full((1, 3, 1), 0.75, jnp.float32)
+    dmu = jax.grad(lambda b: sympow.learned_rotary_angles(b, theta)[0][0, -1, 0].sum())(beta)
+    np.testing.assert_allclose(dmu[0, :, 0], np.full(3, float(jnp.sum(theta))), rtol=1e-6)
+
+
 def test_rotation_preserves_norms_and_validates(rng):
     x = jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32)
     angles = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)

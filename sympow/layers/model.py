@@ -31,7 +31,7 @@ from sympow.layers.attention import (
 from sympow.numerics import compute_dtype
 
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report",
-           "preset_name"]
+           "preset_name", "tied_logits"]
 
 ATTENTION_KINDS = ("softmax", "sympow")
 
@@ -184,6 +184,36 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln2(x)), cache
 
 
+@jax.custom_vjp
+def tied_logits(x: Float[Array, "B T C"], table: Float[Array, "V C"]) -> Float[Array, "B T V"]:
+    """Logits x table^T accumulated and returned in >= float32 (`compute_dtype`).
+
+    The backward rounds the logits' cotangent to x's dtype before its two products (dx and
+    dtable, accumulated in >= float32), as bf16 mixed precision does at the head: autodiff
+    would run both in float32 on a float32 cotangent [B, T, V] (for GPT-2 small at 65,536
+    tokens a step, two TF32 GEMMs of 32 ms on an H200; docs/benchmarks.md). For float32 or
+    float64 x it is autodiff's backward.
+    """
+    return _tied_logits_fwd(x, table)[0]
+
+
+def _tied_logits_fwd(x, table):
+    logits = jnp.einsum("btc,vc->btv", x, table, preferred_element_type=compute_dtype(x))
+    return logits, (x, table)
+
+
+def _tied_logits_bwd(res, dlogits):
+    x, table = res
+    acc = compute_dtype(x)
+    dlogits = dlogits.astype(x.dtype)  # [B, T, V]
+    dx = jnp.einsum("btv,vc->btc", dlogits, table, preferred_element_type=acc)
+    dtable = jnp.einsum("btv,btc->vc", dlogits, x, preferred_element_type=acc)
+    return dx.astype(x.dtype), dtable.astype(table.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
+
+
 class GPT(nnx.Module):
     """GPT-2 language model; see the module docstring.
 
@@ -206,11 +236,9 @@ class GPT(nnx.Module):
         return self.ln_emb(self.wte(tokens))
 
     def head(self, x: Float[Array, "B T C"]) -> Float[Array, "B T V"]:
-        """Final LayerNorm and the tied output projection, accumulated in >= float32."""
+        """Final LayerNorm and the tied output projection (`tied_logits`)."""
         x = self.ln_f(x)
-        out = compute_dtype(jnp.dtype(self.config.dtype))
-        table = self.wte.embedding[...].astype(x.dtype)  # [V, C]
-        return jnp.einsum("btc,vc->btv", x, table, preferred_element_type=out)
+        return tied_logits(x, self.wte.embedding[...].astype(x.dtype))
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
         x = self.embed(tokens)  # [B, T, C]

@@ -15,7 +15,7 @@ from flax import nnx
 
 import sympow
 from sympow.layers import GPT, PRESETS, SIZES, GPTConfig, model_report
-from sympow.layers.model import preset_name
+from sympow.layers.model import preset_name, tied_logits
 from tests.layers.helpers import (
     VARIANTS,
     VOCAB,
@@ -107,6 +107,52 @@ def test_train_step_gradients_learning_and_single_compile(variant, overrides):
     assert len(traces) == 1
     assert losses[0] > 0.8 * math.log(VOCAB)
     assert losses[-1] < 0.5, losses[::5]
+
+
+def _head_operands(dtype):
+    kx, kt, kg = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(kx, (2, 5, 16), jnp.float32).astype(dtype)
+    table = (0.3 * jax.random.normal(kt, (37, 16), jnp.float32)).astype(dtype)
+    dlogits = jax.random.normal(kg, (2, 5, 37), jnp.float32)
+    return x, table, dlogits
+
+
+def test_tied_logits_float32_is_autodiff():
+    x, table, dlogits = _head_operands(jnp.float32)
+    logits, vjp = jax.vjp(tied_logits, x, table)
+    plain, plain_vjp = jax.vjp(lambda a, b: jnp.einsum("btc,vc->btv", a, b), x, table)
+    np.testing.assert_allclose(logits, plain, rtol=1e-6, atol=1e-6)
+    for ours, theirs in zip(vjp(dlogits), plain_vjp(dlogits), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_logits_bf16_backward_runs_bf16_products_on_the_rounded_cotangent():
+    """bf16 x: float32 logits; the backward's products take bf16 operands only (autodiff's
+    take the float32 cotangent) and equal float32 products of the cotangent rounded to bf16."""
+    x, table, dlogits = _head_operands(jnp.bfloat16)
+    logits, vjp = jax.vjp(tied_logits, x, table)
+    assert logits.dtype == jnp.float32
+    wide = jnp.einsum("btc,vc->btv", x.astype(jnp.float32), table.astype(jnp.float32))
+    np.testing.assert_allclose(logits, wide, rtol=1e-5, atol=1e-5)
+    dx, dtable = vjp(dlogits)
+    assert dx.dtype == dtable.dtype == jnp.bfloat16
+    rounded = dlogits.astype(jnp.bfloat16).astype(jnp.float32)
+    dx_ref = jnp.einsum("btv,vc->btc", rounded, table.astype(jnp.float32))
+    dtable_ref = jnp.einsum("btv,btc->vc", rounded, x.astype(jnp.float32))
+    for ours, ref in ((dx, dx_ref), (dtable, dtable_ref)):  # one bf16 rounding of the sum
+        np.testing.assert_allclose(ours.astype(jnp.float32), ref, rtol=2 ** -8, atol=1e-6)
+
+    def dot_operand_dtypes(f, *args):
+        eqns = jax.make_jaxpr(f)(*args).eqns
+        return {(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype))
+                for e in eqns if e.primitive.name == "dot_general"}
+
+    ours = dot_operand_dtypes(lambda g: jax.vjp(tied_logits, x, table)[1](g), dlogits)
+    plain = dot_operand_dtypes(lambda g: jax.vjp(
+        lambda a, b: jnp.einsum("btc,vc->btv", a, b, preferred_element_type=jnp.float32),
+        x, table)[1](g), dlogits)
+    assert ours == {("bfloat16", "bfloat16")}
+    assert ("float32", "bfloat16") in plain or ("bfloat16", "float32") in plain
 
 
 # --- configuration errors --------------------------------------------------------------------
