@@ -16,7 +16,10 @@ decode benchmark's model), prefilled on random tokens (the step's work does not 
 them), then a jitted device loop of --steps greedy decode steps (generate's loop) traced
 --reps times, with each step of --decode_steps (the blocks' own decode, the fused step).
 Training cases `variant:p:T`: one step of GPT-2 small at bf16 compute (Adam, 65,536 tokens
-of random ids; the state is not donated, so each traced call starts from the same one).
+of random ids; the state is not donated, so each traced call starts from the same one);
+with --chained, --reps steps as trainer.py runs them (the state donated and passed on, the
+steps dispatched back to back, one wait at the end): a call is then a step, and the idle
+gaps show what the GPU waits on between steps.
 Attention cases `impl:algorithm:T:H`: sympow p = 2 (d = e = 64, bf16, gating, B x T =
 65,536) forward + backward, the benchmark's call. Per case: wall ms per call, kernels per
 call, the GPU's busy time (kernels' union) and each kernel's count and total time, slowest
@@ -53,6 +56,8 @@ _DECODE_STEPS = flags.DEFINE_list("decode_steps", ["blocks", "fused"],
                                   "fused (sympow.layers.fused_decode), fused:IMPL (its "
                                   "products by decode_linear's impl IMPL)")
 _REPS = flags.DEFINE_integer("reps", 3, "traced calls per case (after a compiling one)")
+_CHAINED = flags.DEFINE_bool("chained", False, "training cases: the steps chained and "
+                             "dispatched back to back, state donated (as trainer.py)")
 _TOP = flags.DEFINE_integer("top", 25, "kernels printed per case")
 _SOURCES = flags.DEFINE_integer("sources", 2, "source lines printed per XLA kernel")
 _GAPS = flags.DEFINE_integer("gaps", 8, "idle gaps printed per case")
@@ -61,12 +66,12 @@ _HLO = flags.DEFINE_string("hlo", "", "when set, each case's optimized HLO is wr
 _OUT = flags.DEFINE_string("out", None, "directory for kernel_profile.json")
 
 
-def traced(fn, *args, reps: int) -> dict:
+def traced(fn, *args, reps: int, chained: bool = False) -> dict:
     """Kernel summary of `reps` calls of the jitted fn(*args), per call, each XLA kernel with
     its shapes and the source lines of its operations (`hlo_kernels` of the compiled
-    module)."""
+    module); `chained` as `timing.run_calls`."""
     compiled = fn.lower(*args).compile()
-    events, wall_s = trace_kernels(compiled, *args, reps=reps)
+    events, wall_s = trace_kernels(compiled, *args, reps=reps, chained=chained)
     summary = summarize_kernels(events, calls=reps, wall_s=wall_s)
     text = compiled.as_text()
     if _OUT.value and _HLO.value:  # for reading what hlo_kernels does not say
@@ -169,11 +174,12 @@ def train_case(spec: str) -> dict:
     optimizer, schedule = make_optimizer({"name": "adam", "learning_rate": 6e-4}, 100)
     state = init_train_state(params, rest, optimizer, seed=0)
     # traced whole, (state, metrics) out: a loss alone would let XLA drop the backward
-    step = jax.jit(make_train_step(model_def(config.__dict__), optimizer, schedule))
+    step = jax.jit(make_train_step(model_def(config.__dict__), optimizer, schedule),
+                   donate_argnums=(0,) if _CHAINED.value else ())
     ids = jax.random.randint(jax.random.PRNGKey(1), (rows, t + 1), 0, 50257)
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    return {"case": spec, "kind": "train",
-            **traced(step, state, inputs, labels, reps=_REPS.value)}
+    return {"case": spec, "kind": "train", "chained": _CHAINED.value,
+            **traced(step, state, inputs, labels, reps=_REPS.value, chained=_CHAINED.value)}
 
 
 def main(argv):

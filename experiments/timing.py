@@ -66,21 +66,40 @@ def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
     return [statistics.median(column) * 1e3 for column in times]
 
 
-def trace_kernels(fn, *args, reps: int) -> tuple[list[tuple[str, float, float]], float]:
+def trace_kernels(fn, *args, reps: int, chained: bool = False
+                  ) -> tuple[list[tuple[str, float, float]], float]:
     """(`kernel_events` of `reps` calls of fn(*args) under jax.profiler.trace, after a
-    compiling call; the wall seconds of those calls)."""
+    compiling call; the wall seconds of those calls). `chained`: as `run_calls` chains them
+    (a training step's state passed on, one wait at the end)."""
     import tempfile
 
     import jax
 
-    jax.block_until_ready(fn(*args))
+    args = run_calls(fn, args, reps=1, chained=chained)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             start = time.perf_counter()
-            for _ in range(reps):
-                jax.block_until_ready(fn(*args))
+            run_calls(fn, args, reps=reps, chained=chained)
             wall_s = time.perf_counter() - start
         return kernel_events(trace_dir), wall_s
+
+
+def run_calls(fn, args: tuple, *, reps: int, chained: bool) -> tuple:
+    """Call fn(*args) `reps` times; return the arguments of a next call. Unchained: the same
+    args each time, each call waited for. Chained (a step `(state, ...) -> (state, out)`,
+    its state donated or not): each call gets the last call's state as its first argument
+    and is dispatched at once, as a trainer runs its steps; one wait at the end."""
+    import jax
+
+    out = None
+    for _ in range(reps):
+        out = fn(*args)
+        if chained:
+            args = (out[0], *args[1:])
+        else:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    return args
 
 
 def kernel_events(trace_dir: str) -> list[tuple[str, float, float]]:

@@ -101,6 +101,19 @@ def test_timed_call_counts_calls_and_returns_the_last_result():
     assert timing.timed(fn, 7, reps=1, warmup=0) >= 0 and len(calls) == 6
 
 
+def test_run_calls_chains_a_steps_state_or_repeats_the_same_arguments():
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda state, inc: (state + inc, state * 2), donate_argnums=0)
+    args = timing.run_calls(step, (jnp.float32(1.0), jnp.float32(3.0)), reps=4, chained=True)
+    assert float(args[0]) == 13.0 and float(args[1]) == 3.0  # 1 + 4 x 3, the state passed on
+    seen = []
+    same = timing.run_calls(lambda x: seen.append(float(x)) or (x + 1, x), (jnp.float32(5.0),),
+                            reps=3, chained=False)
+    assert seen == [5.0, 5.0, 5.0] and float(same[0]) == 5.0
+
+
 def _scaled(x):
     return x * 3.0  # the line hlo_kernels must name for the multiply
 
