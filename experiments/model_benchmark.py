@@ -17,7 +17,9 @@ the cost model chose for the model's attention call, compile seconds, the median
 over the steps after the first two (each step waited for: its loss read), tokens/s; then
 the same --steps steps once more as trainer.py runs them (dispatched back to back, the
 losses read at the end: the host prepares the next step while the GPU runs this one), their
-mean step time and tokens/s ("pipelined"); the loss of every step of both passes (must fall
+mean step time and tokens/s ("pipelined"), and the same from the first step's end to the
+last's ("steady": a long run's rate, without the latency before the first step's first
+kernel, which the pipelined mean spreads over --steps steps); the loss of every step of both passes (must fall
 and stay finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
@@ -201,12 +203,18 @@ def train_case(case: dict) -> dict:
     # The same steps again as trainer.py runs them: dispatched back to back, the losses read
     # at the end (its log points), so the host prepares a step while the GPU runs the last.
     start = time.perf_counter()
-    queued = []
-    for x, y in batches:
+    queued, first_done = [], None
+    for i, (x, y) in enumerate(batches):
         state, metrics = compiled(state, x, y)
         queued.append(metrics["loss"])
+        if i == 1 or len(batches) == 1:  # the first step's end, while the second runs
+            jax.block_until_ready(queued[0])
+            first_done = time.perf_counter()
     losses += [float(v) for v in jax.device_get(queued)]
-    pipelined_s = (time.perf_counter() - start) / len(batches)
+    end = time.perf_counter()
+    pipelined_s = (end - start) / len(batches)
+    # the steady state: from the first step's end to the last's, no first-dispatch latency
+    steady_s = (end - first_done) / (len(batches) - 1) if len(batches) > 1 else pipelined_s
     finite = all(map(lambda v: v == v and abs(v) != float("inf"), losses))
     return {**case, "kind": "train", "rows": rows, "algorithm": chosen_algorithm(config, t),
             "params": mdef.num_params, "init_s": round(init_s, 2),
@@ -214,6 +222,8 @@ def train_case(case: dict) -> dict:
             "tokens_per_s": round(rows * t / step_s),
             "pipelined_step_ms": round(pipelined_s * 1e3, 2),
             "pipelined_tokens_per_s": round(rows * t / pipelined_s),
+            "steady_step_ms": round(steady_s * 1e3, 2),
+            "steady_tokens_per_s": round(rows * t / steady_s),
             "losses": [round(v, 4) for v in losses],
             "finite": finite, "loss_fell": finite and losses[-1] < losses[0],
             "peak_gib": peak_gib()}
@@ -410,7 +420,8 @@ def report(results: list[dict]) -> None:
         peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         if r["kind"] == "train":
             note = (f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} compile {r['compile_s']} s"
-                    f", pipelined {r['pipelined_tokens_per_s']} tok/s")
+                    f", pipelined {r['pipelined_tokens_per_s']} tok/s"
+                    f", steady {r['steady_tokens_per_s']} tok/s")
         elif r["kind"] == "decode":
             note = (f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB, "
                     f"{r['tokens_per_s']} tok/s, {r['launches_per_step']} launches/step")
