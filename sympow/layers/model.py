@@ -191,8 +191,8 @@ def tied_logits(x: Float[Array, "B T C"], table: Float[Array, "V C"]) -> Float[A
     The backward rounds the logits' cotangent to x's dtype before its two products (dx and
     dtable, accumulated in >= float32), as bf16 mixed precision does at the head: autodiff
     would run both in float32 on a float32 cotangent [B, T, V] (for GPT-2 small at 65,536
-    tokens a step, two TF32 GEMMs of 32 ms on an H200; docs/benchmarks.md). For float32 or
-    float64 x it is autodiff's backward.
+    tokens a step, two TF32 GEMMs of 32 ms on an H200; two bf16 ones of 12 ms on an H100;
+    docs/kernels.md). For float32 or float64 x it is autodiff's backward.
     """
     return _tied_logits_fwd(x, table)[0]
 

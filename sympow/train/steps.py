@@ -26,8 +26,9 @@ def token_losses(logits: Float[Array, "B T V"], labels: Int[Array, "B T"]) -> Fl
 
     Its backward is one elementwise pass, (softmax - onehot(label)) times the cotangent, in
     logits' dtype: autodiff's wrote float32 g softmax, scatter-added -g at the labels in place
-    and only then let the head's cast to bf16 read it (a second pass over B x T x V: 15 ms of
-    an H100's GPT-2 step at 65,536 tokens against one fused pass; docs/benchmarks.md).
+    and only then let the head's cast to bf16 read it (a second pass over B x T x V: 15.1 ms
+    of an H100's GPT-2 step at 65,536 tokens, against one fused pass of 6.4 ms;
+    docs/kernels.md).
     """
     return _token_losses_fwd(logits, labels)[0]
 
