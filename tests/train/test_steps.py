@@ -13,6 +13,7 @@ from flax import nnx
 from sympow.train.model import init_model_state, model_def
 from sympow.train.steps import (
     init_train_state,
+    logsumexp_one_pass,
     make_contextwise_fn,
     make_train_step,
     token_losses,
@@ -52,6 +53,18 @@ def test_token_losses_gradient_is_one_elementwise_pass():
     plain = jax.make_jaxpr(jax.grad(
         lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels).sum()))(logits)
     assert "scatter" not in str(backward) and "scatter" in str(plain)  # nested jaxprs too
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_logsumexp_one_pass_matches_two_passes(scale):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(scale * rng.normal(size=(3, 4, 257)), jnp.float32)
+    x = x.at[0, 0].set(-jnp.inf).at[1, 1, :100].set(-jnp.inf).at[2, 2, 5].set(80.0 * scale)
+    ours, theirs = logsumexp_one_pass(x), jax.nn.logsumexp(x, axis=-1)
+    assert float(ours[0, 0]) == -np.inf  # an all -inf row, as the two-pass form gives
+    np.testing.assert_allclose(np.asarray(ours)[~np.isinf(np.asarray(theirs))],
+                               np.asarray(theirs)[~np.isinf(np.asarray(theirs))], rtol=2e-6)
+    assert np.isinf(np.asarray(ours)).sum() == 1
 
 
 @pytest.fixture(scope="module")
