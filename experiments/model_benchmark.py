@@ -19,8 +19,8 @@ the same --steps steps once more as trainer.py runs them (dispatched back to bac
 losses read at the end: the host prepares the next step while the GPU runs this one), their
 mean step time and tokens/s ("pipelined"), and the same from the first step's end to the
 last's ("steady": a long run's rate, without the latency before the first step's first
-kernel, which the pipelined mean spreads over --steps steps); the loss of every step of both passes (must fall
-and stay finite) and the process's peak device memory.
+kernel, which the pipelined mean spreads over --steps steps); the loss of every step of
+both passes (must fall and stay finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
 bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
