@@ -5,6 +5,7 @@ Pallas tier's chunked algorithm and attention form), or those of --impls / --alg
 Prints a table; exits non-zero on a failure.
 
   PYTHONPATH=. python3 experiments/gpu_check.py [--quick] [--json=$OUT/gpu_check.json]
+  PYTHONPATH=. python3 experiments/gpu_check.py --only=random --seed=S --cases=NAME  # one again
 
 bf16: gold/ref/test of sympow.attention.testing (gold = the float32 oracle: the quadratic
 reference up to T=2048, the blocked pure-JAX attention form above). float32: relative L2
@@ -18,6 +19,7 @@ import sys
 import time
 import traceback
 import warnings
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,6 +32,9 @@ _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
+_SEED = flags.DEFINE_integer("seed", None, "the inputs' seed (default: the clock); printed "
+                             "and recorded, each check's inputs drawn from it and the "
+                             "check's name alone, so --seed and --cases rerun one check")
 _ONLY = flags.DEFINE_enum("only", "all",
                           ["all", "random", "edge", "precision", "decode", "primitives"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
@@ -309,7 +314,12 @@ def main(argv):
 
     print(f"jax {jax.__version__}, devices {jax.devices()}, backend {jax.default_backend()}")
     results, failures = [], 0
-    rng = np.random.default_rng(int(time.time()))
+    seed = int(time.time()) if _SEED.value is None else _SEED.value
+    print(f"seed {seed}")
+
+    def rng(*name):  # one generator per check, from the seed and the check's name
+        return np.random.default_rng([seed, zlib.crc32("/".join(map(str, name)).encode())])
+
     selected = [CASES[i] for i in QUICK] if _QUICK.value else CASES
     for impl in _IMPLS.value or ():
         implementations.check_impl(impl)
@@ -328,7 +338,8 @@ def main(argv):
                  for impl in rows for kind in ADVERSARIAL for dtype in ("float32", "bfloat16")]
     # Each check: (impl, case name, dtype, kind, run() -> rows (output, err, note, ok)).
     checks = [(impl, case.name, dtype, kind,
-               functools.partial(check_case, testing, impl, case, dtype, kind, rng))
+               functools.partial(check_case, testing, impl, case, dtype, kind,
+                                 rng(*impl, case.name, dtype, kind)))
               for impl, case, dtype, kind in jobs if case.t <= _MAX_T.value]
     if _ONLY.value == "precision":
         checks = [(impl, f"{history}_t{t}", "float32", "precision",
@@ -337,23 +348,27 @@ def main(argv):
     if _ONLY.value == "decode":
         checks = [(("pallas", "decode"), f"b{b}_h{hq}x{hk}_d{d}_e{e}_p{p}"
                    f"{'_gated' if gated else ''}", dtype, "decode",
-                   functools.partial(check_decode, testing, rng, dtype=dtype, gated=gated,
+                   functools.partial(check_decode, testing, rng(shape, dtype, gated),
+                                     dtype=dtype, gated=gated,
                                      **dict(zip("b hq hk d e p".split(), shape, strict=True))))
                   for shape in DECODE_CASES for b, hq, hk, d, e, p in [shape]
                   for dtype in ("float32", "bfloat16") for gated in (True, False)]
         checks += [(("layers", "decode_linear"), "r{}_k{}_n{}{}{}{}".format(
                     *case[:3], "_ln" * case[3], "_gelu" * case[4], "_res" * case[5]), dtype,
-                    "decode", functools.partial(check_linear, rng, dtype, *case))
+                    "decode", functools.partial(check_linear, rng(case, dtype), dtype, *case))
                    for case in LINEAR_CASES for dtype in ("float32", "bfloat16")]
         checks += [(("layers", "fused_decode"), f"gpt2_2layers_{variant}_b{batch}", dtype,
-                    "decode", functools.partial(check_fused_model, rng, dtype, variant, batch))
+                    "decode", functools.partial(check_fused_model, rng(variant, batch, dtype),
+                                                dtype, variant, batch))
                    for variant, batch in MODEL_CASES for dtype in ("float32", "bfloat16")]
     if _ONLY.value == "primitives":
         checks = [(("mosaic_gpu", "attention"), "b{}_h{}x{}_n{}_c{}_d{}_e{}_p{}_{}".format(
                    *case), "bfloat16", "primitive",
-                   functools.partial(check_primitive, rng, *case)) for case in PRIMITIVE_CASES]
+                   functools.partial(check_primitive, rng(case), *case))
+                  for case in PRIMITIVE_CASES]
         checks += [(("mosaic_gpu", "states"), "states_b{}_h{}x{}_n{}_c{}_e{}_{}".format(*case),
-                    "bfloat16", "primitive", functools.partial(check_state_kernels, rng, *case))
+                    "bfloat16", "primitive",
+                    functools.partial(check_state_kernels, rng(case), *case))
                    for case in STATE_CASES]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
@@ -370,7 +385,7 @@ def main(argv):
                 failures += not ok
                 label = "/".join(impl)  # backend/algorithm
                 results.append(dict(impl=label, case=name, dtype=dtype, kind=kind,
-                                    output=output, err=err, note=note, ok=ok,
+                                    output=output, err=err, note=note, ok=ok, seed=seed,
                                     seconds=round(time.time() - start, 1)))
                 print(f"{label:16s} {name:42s} {dtype:8s} {kind:12s} {output:6s} {err:9.2e} "
                       f"{note:28s} {'ok' if ok else 'FAIL'}", flush=True)

@@ -20,7 +20,7 @@ tile's rows per query (they span warps):
 - the block-pair totals: each step's row sums pass through shared memory into the columns'
   layout (which every warp holds whole) behind the barrier the dQ partial's stage takes
   anyway, are summed within each warp, and leave ROWS pairs at a time;
-- the diagonal's straddle sums: `straddle_sums` (XLA, one batched product) of the
+- the diagonal's straddle sums: `straddle_sums` (XLA, one product) of the
   diagonal blocks' dl, which the kernel stores in bf16 (in the kernel, three products on
   them as the dQ kernel took them made ptxas serialize every wgmma of this one, 15.2
   against 13.5 ms at T = 16k, H = 12, H200; one product with both operands in shared
@@ -36,8 +36,11 @@ warpgroups are past their walks, which keeps d = e = 128 within the 227 KB.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -287,16 +290,25 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
 def straddle_sums(diagonal):
     """The diagonal blocks' straddle sums [B,Hq,N,C] (per k, sum_{j < k <= i} dl_ji within
     k's block) from their dl tiles `diagonal` [B,Hq,N,C,ROWS] bfloat16 (keys j as rows,
-    queries i as columns): one batched product [k, i] = sum_{j < k} dl_ji of a 0/1 matrix
-    with the tiles (float32 accumulation), then row sums over i >= k; no transpose and no
-    cumulative sum (which XLA evaluated in 185-254 us at T = 4k, H = 12 from float32
-    tiles). dl carries bf16 rounding here, as ds does in dq."""
+    queries i as columns): each tile flattened to its ROWS^2 entries (j, i) times one 0/1
+    matrix [(j, i), k] = [j < k <= i], float32 accumulation: one product whose output is
+    the sums themselves. (As a product [k, i] = sum_{j < k} dl_ji and row sums over i >= k,
+    XLA wrote and read a float32 array of the tiles' size: 2.3 ms of GPT-2's step at 65,536
+    tokens on an H100; as cumulative sums, 185-254 us at T = 4k, H = 12.) dl carries bf16
+    rounding here, as ds does in dq."""
     b, hq, n, c, _ = diagonal.shape
-    tiles = diagonal.reshape(b, hq, n, c // ROWS, ROWS, ROWS)
-    k = jnp.arange(ROWS)
-    below = (k[None, :] < k[:, None]).astype(diagonal.dtype)  # [k, j]: j < k
-    before = jnp.einsum("kj,...ji->...ki", below, tiles, preferred_element_type=F32)
-    return jnp.where(k[None, :] >= k[:, None], before, 0.0).sum(axis=-1).reshape(b, hq, n, c)
+    tiles = diagonal.reshape(b, hq, n, c // ROWS, ROWS * ROWS)  # [.., (j, i)]
+    return jnp.einsum("...f,fk->...k", tiles, straddle_matrix().astype(diagonal.dtype),
+                      preferred_element_type=F32).reshape(b, hq, n, c)
+
+
+@functools.lru_cache(maxsize=1)
+def straddle_matrix() -> np.ndarray:
+    """[(j, i), k] = 1 where j < k <= i: which pairs of a ROWS x ROWS tile each k's
+    straddle sum takes (float32 0/1, [ROWS^2, ROWS])."""
+    k = np.arange(ROWS)
+    j, i, kk = k[:, None, None], k[None, :, None], k[None, None, :]
+    return ((j < kk) & (kk <= i)).reshape(ROWS * ROWS, ROWS).astype(np.float32)
 
 
 def assemble(q, dq_off, dq_diag, diagonal, pairs, *, p: int):

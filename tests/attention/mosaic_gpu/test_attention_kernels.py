@@ -170,11 +170,11 @@ def test_the_backward_outputs_assemble_into_the_gate_pieces(rng, tokens):
     close(pairs, totals)
 
 
-def test_the_straddle_sums_are_one_product_and_row_sums(rng):
+def test_the_straddle_sums_are_one_product(rng):
     """`backward_kernel.straddle_sums` of diagonal tiles dl [keys j, queries i] in bf16
-    ([k, i] = sum_{j < k} dl_ji as one product of a 0/1 matrix with the tiles, then row sums
-    over i >= k): `chunked.diagonal_straddle` (sum_{i >= k > j} dl_ij) to bf16 accuracy,
-    per block of ROWS. With the mask moved by one (j <= k) the check fails."""
+    (each tile's entries (j, i) times the 0/1 matrix [j < k <= i]): `chunked.diagonal_straddle`
+    (sum_{i >= k > j} dl_ij) to bf16 accuracy, per block of ROWS; one dot_general, whose
+    output is [.., C] float32. With the mask moved by one (j <= k) the check fails."""
     from sympow.attention import chunked
 
     rows, nb = blocks.ROWS, 3
@@ -185,6 +185,9 @@ def test_the_straddle_sums_are_one_product_and_row_sums(rng):
     diagonal = dl.reshape(2, 3, 1, nb * rows, rows).astype(jnp.bfloat16)
     got = np.asarray(backward_kernel.straddle_sums(diagonal)).reshape(want.shape)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2.0 ** -8
+    eqns = jax.make_jaxpr(backward_kernel.straddle_sums)(diagonal).eqns
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 1 and dots[0].outvars[0].aval.shape == (2, 3, 1, nb, rows)
     # the same arithmetic with the 0/1 matrix's diagonal included (j <= k): far outside
     before = jnp.einsum("kj,...ji->...ki", jnp.asarray(i <= k, jnp.bfloat16),
                         dl.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
