@@ -137,16 +137,22 @@ def _normalized_fwd(plan, q, k, v, a):
 
 
 def _normalized_bwd(plan, res, dy):
-    """y = o / den: do = dy / den and dden = -(dy . o) / den^2 = -(dy . y) / den; both 0
-    where den = 0 (y is 0 there whatever o is)."""
+    """y = o / den: do = dy / den and dden = -(dy . o) / den^2 = -(do . y); both 0 where
+    den = 0 (y is 0 there whatever o is).
+
+    dden is formed from do as the kernel takes it (rounded to q's dtype): the kernel's
+    dw_ij = v_j . do_i + dden_i then equals (v_j - y_i) . do_i for that one do, which is
+    small where a row's weight sits on few keys (v_j ~ y_i). With dden from the unrounded
+    do, v_j times do's rounding stayed uncancelled: bf16 dq and dk 3-4x the bf16
+    reference's error on half the seeds of gpu_check's b2_t1024_h8x8_d64_e64_p2_c256_gated
+    (docs/kernels.md)."""
     res, y, den = res
     b, t, hq, _ = y.shape
     by_token = jnp.moveaxis(den.reshape(b, hq, t), 1, 2)  # [B, Hq, 1, T] -> [B, T, Hq]
     positive = by_token > 0
     inverse = jnp.where(positive, 1.0 / jnp.where(positive, by_token, 1.0), 0.0)
-    dy = dy.astype(F32)
-    do = dy * inverse[..., None]
-    dden = -jnp.einsum("bthe,bthe->bth", do, y.astype(F32))
+    do = (dy.astype(F32) * inverse[..., None]).astype(res.q.dtype)  # the kernel's operand
+    dden = -jnp.einsum("bthe,bthe->bth", do.astype(F32), y.astype(F32))
     return _backward(plan, res, do, jnp.moveaxis(dden, 2, 1).reshape(den.shape))
 
 
