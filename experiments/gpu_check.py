@@ -6,6 +6,7 @@ Prints a table; exits non-zero on a failure.
 
   PYTHONPATH=. python3 experiments/gpu_check.py [--quick] [--json=$OUT/gpu_check.json]
   PYTHONPATH=. python3 experiments/gpu_check.py --only=random --seed=S --cases=NAME  # one again
+  PYTHONPATH=. python3 experiments/gpu_check.py --only=random --seed=1,2,3 --cases=NAME
 
 bf16: gold/ref/test of sympow.attention.testing (gold = the float32 oracle: the quadratic
 reference up to T=2048, the blocked pure-JAX attention form above). float32: relative L2
@@ -32,9 +33,10 @@ _JSON = flags.DEFINE_string("json", None, "write the rows here as JSON")
 _IMPLS = flags.DEFINE_list("impls", None, "backends to check (default: every kernel tier)")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "algorithms to check (default: all)")
 _CASES = flags.DEFINE_string("cases", None, "only cases whose name contains this")
-_SEED = flags.DEFINE_integer("seed", None, "the inputs' seed (default: the clock); printed "
-                             "and recorded, each check's inputs drawn from it and the "
-                             "check's name alone, so --seed and --cases rerun one check")
+_SEED = flags.DEFINE_list("seed", None, "the inputs' seeds (default: the clock); printed and "
+                          "recorded, each check's inputs drawn from its seed and the check's "
+                          "name alone, so --seed and --cases rerun one check; several "
+                          "seeds run every selected check once per seed")
 _ONLY = flags.DEFINE_enum("only", "all",
                           ["all", "random", "edge", "precision", "decode", "primitives"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
@@ -308,14 +310,47 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
 def main(argv):
     del argv
     import jax
-    import numpy as np
 
-    from sympow.attention import implementations, testing
+    from sympow.attention import testing
 
     print(f"jax {jax.__version__}, devices {jax.devices()}, backend {jax.default_backend()}")
     results, failures = [], 0
-    seed = int(time.time()) if _SEED.value is None else _SEED.value
-    print(f"seed {seed}")
+    seeds = [int(time.time())] if _SEED.value is None else [int(s) for s in _SEED.value]
+    print(f"seeds {seeds}")
+    checks = [(*check, seed) for seed in seeds for check in selected_checks(testing, seed)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for impl, name, dtype, kind, run, seed in checks:
+            start = time.time()
+            try:
+                got = run()
+            except Exception:  # noqa: BLE001  (report every case, then fail)
+                traceback.print_exc()
+                got = [("error", float("nan"), "exception", False)]
+            for output, err, note, ok in got:
+                failures += not ok
+                label = "/".join(impl)  # backend/algorithm
+                results.append(dict(impl=label, case=name, dtype=dtype, kind=kind,
+                                    output=output, err=err, note=note, ok=ok, seed=seed,
+                                    seconds=round(time.time() - start, 1)))
+                print(f"{label:16s} {name:42s} {dtype:8s} {kind:12s} {output:6s} {err:9.2e} "
+                      f"{note:28s} {'ok' if ok else 'FAIL'}" + f"  seed {seed}" * (len(seeds) > 1),
+                      flush=True)
+    triton_warnings = [str(w.message) for w in caught if "Triton" in str(w.message)]
+    print(f"Triton warnings that escaped the filter: {len(triton_warnings)}")
+    print(f"other warnings: {sorted({str(w.message)[:100] for w in caught})[:10]}")
+    if _JSON.value:
+        Path(_JSON.value).write_text(json.dumps(results, indent=1))
+    print(f"{len(results) - failures}/{len(results)} checks passed")
+    sys.exit(1 if failures or triton_warnings else 0)
+
+
+def selected_checks(testing, seed):
+    """The checks the flags select, their inputs drawn from `seed`: (impl, case name, dtype,
+    kind, run() -> rows (output, err, note, ok))."""
+    import numpy as np
+
+    from sympow.attention import implementations
 
     def rng(*name):  # one generator per check, from the seed and the check's name
         return np.random.default_rng([seed, zlib.crc32("/".join(map(str, name)).encode())])
@@ -372,31 +407,7 @@ def main(argv):
                    for case in STATE_CASES]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for impl, name, dtype, kind, run in checks:
-            start = time.time()
-            try:
-                got = run()
-            except Exception:  # noqa: BLE001  (report every case, then fail)
-                traceback.print_exc()
-                got = [("error", float("nan"), "exception", False)]
-            for output, err, note, ok in got:
-                failures += not ok
-                label = "/".join(impl)  # backend/algorithm
-                results.append(dict(impl=label, case=name, dtype=dtype, kind=kind,
-                                    output=output, err=err, note=note, ok=ok, seed=seed,
-                                    seconds=round(time.time() - start, 1)))
-                print(f"{label:16s} {name:42s} {dtype:8s} {kind:12s} {output:6s} {err:9.2e} "
-                      f"{note:28s} {'ok' if ok else 'FAIL'}", flush=True)
-    triton_warnings = [str(w.message) for w in caught if "Triton" in str(w.message)]
-    print(f"Triton warnings that escaped the filter: {len(triton_warnings)}")
-    print(f"other warnings: {sorted({str(w.message)[:100] for w in caught})[:10]}")
-    if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps(results, indent=1))
-    print(f"{len(results) - failures}/{len(results)} checks passed")
-    sys.exit(1 if failures or triton_warnings else 0)
-
+    return checks
 
 if __name__ == "__main__":
     app.run(main)

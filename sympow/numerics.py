@@ -1,6 +1,6 @@
 """Numerics shared by the specification, the kernels' wrappers, rotary and the layers.
 
-One home for the three conventions every part of the library follows (docs/design.md §4):
+One home for the conventions every part of the library follows (docs/design.md §4):
 products at full float32 precision, computation in float32 or wider, and a division that
 gives 0 (not NaN) where the normalizer is 0.
 """
@@ -19,6 +19,21 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def compute_dtype(*xs) -> jnp.dtype:
     """float32, or wider when an input (array or dtype) is float64 (x64 exactness checks)."""
     return jnp.result_type(jnp.float32, *(x for x in xs if x is not None))
+
+
+def round_to(x: Array, dtype) -> Array:
+    """x rounded to `dtype`'s precision and range, kept in x's dtype (x unchanged where dtype is
+    as wide as x's).
+
+    Where a value must be used both as the bf16 operand a kernel takes and in float32
+    arithmetic beside it, an `x.astype(bf16).astype(f32)` round trip is not enough on GPU: XLA
+    removes convert pairs there (its default `xla_allow_excess_precision`), so the float32
+    side would see the unrounded x. `lax.reduce_precision` is kept.
+    """
+    info = jnp.finfo(dtype)
+    if info.bits >= jnp.finfo(x.dtype).bits:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def safe_divide(num: Array, den: Array) -> Array:

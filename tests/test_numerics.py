@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sympow.numerics import compute_dtype, safe_divide
+from sympow.numerics import compute_dtype, round_to, safe_divide
 
 
 def test_compute_dtype_is_float32_or_wider(x64):
@@ -29,3 +29,19 @@ def test_safe_divide_has_finite_gradients_at_zero_rows():
     dnum, dden = jax.grad(f, argnums=(0, 1))(jnp.ones((2, 3)), jnp.asarray([2.0, 0.0]))
     np.testing.assert_allclose(dnum, [[0.5] * 3, [0.0] * 3])
     np.testing.assert_allclose(dden, [-3 / 4, 0.0])
+
+
+def test_round_to_rounds_to_the_narrower_dtype_and_keeps_the_dtype():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64,)) * 1e3, jnp.float32)
+    rounded = round_to(x, jnp.bfloat16)
+    assert rounded.dtype == jnp.float32
+    np.testing.assert_array_equal(rounded, x.astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.any(rounded != x)  # bf16 keeps 8 of float32's 24 significant bits
+    assert round_to(x, jnp.float32) is x
+
+
+def test_round_to_is_an_op_xla_keeps():
+    """An astype round trip is two converts, which XLA's GPU compiler removes as a pair;
+    round_to must be one reduce_precision instead."""
+    jaxpr = str(jax.make_jaxpr(lambda x: round_to(x, jnp.bfloat16))(jnp.ones(4)))
+    assert "reduce_precision" in jaxpr and "convert_element_type" not in jaxpr

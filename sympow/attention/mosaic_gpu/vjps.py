@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sympow import numerics
 from sympow.attention import chunked
 from sympow.attention.mosaic_gpu import attention_kernels, backward_kernel, blocks
 from sympow.attention.pallas import attention_kernels as portable_kernels
@@ -140,10 +141,11 @@ def _normalized_bwd(plan, res, dy):
     """y = o / den: do = dy / den and dden = -(dy . o) / den^2 = -(do . y); both 0 where
     den = 0 (y is 0 there whatever o is).
 
-    dden is formed from do as the kernel takes it (rounded to q's dtype): the kernel's
-    dw_ij = v_j . do_i + dden_i then equals (v_j - y_i) . do_i for that one do, which is
-    small where a row's weight sits on few keys (v_j ~ y_i). With dden from the unrounded
-    do, v_j times do's rounding stayed uncancelled: bf16 dq and dk 3-4x the bf16
+    dden is formed from do as the kernel takes it (rounded to q's dtype by
+    `numerics.round_to`, which XLA keeps on GPU where it drops an astype round trip): the
+    kernel's dw_ij = v_j . do_i + dden_i then equals (v_j - y_i) . do_i for that one do,
+    which is small where a row's weight sits on few keys (v_j ~ y_i). With dden from the
+    unrounded do, v_j times do's rounding stayed uncancelled: bf16 dq and dk 3-4x the bf16
     reference's error on half the seeds of gpu_check's b2_t1024_h8x8_d64_e64_p2_c256_gated
     (docs/kernels.md)."""
     res, y, den = res
@@ -151,9 +153,10 @@ def _normalized_bwd(plan, res, dy):
     by_token = jnp.moveaxis(den.reshape(b, hq, t), 1, 2)  # [B, Hq, 1, T] -> [B, T, Hq]
     positive = by_token > 0
     inverse = jnp.where(positive, 1.0 / jnp.where(positive, by_token, 1.0), 0.0)
-    do = (dy.astype(F32) * inverse[..., None]).astype(res.q.dtype)  # the kernel's operand
-    dden = -jnp.einsum("bthe,bthe->bth", do.astype(F32), y.astype(F32))
-    return _backward(plan, res, do, jnp.moveaxis(dden, 2, 1).reshape(den.shape))
+    do = numerics.round_to(dy.astype(F32) * inverse[..., None], res.q.dtype)  # the kernel's
+    dden = -jnp.einsum("bthe,bthe->bth", do, y.astype(F32))
+    return _backward(plan, res, do.astype(res.q.dtype),
+                     jnp.moveaxis(dden, 2, 1).reshape(den.shape))
 
 
 _hopper_normalized.defvjp(_normalized_fwd, _normalized_bwd)

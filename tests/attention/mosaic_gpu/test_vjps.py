@@ -167,7 +167,10 @@ def test_the_token_layout_forms_dden_from_the_rounded_do(rng, monkeypatch):
     do it takes (rounded to q's dtype), so `normalized_in_tokens` forms dden = -(do . y)
     from that rounded do: captured at `_backward` (whose cast to q's dtype is then a no-op)
     for bf16 inputs, do is bf16 and dden = -(do . y) to float32 rounding. The code before
-    passed the float32 do, with dden from it, and fails here. (The cause of the Hopper form's
+    passed the float32 do, with dden from it, and fails here. The rounding dden sees must
+    be a reduce_precision: an astype round trip passes on CPU, but XLA's GPU compiler drops
+    it (convert pairs, `xla_allow_excess_precision`), which left the GPU's errors unchanged
+    by the first version of this fix. (The cause of the Hopper form's
     dq and dk errors on half of gpu_check's seeds of one case: emulated in float64 on those
     inputs, dq errs 2.0e-3 on every seed this way against up to 3.1e-2 the other way;
     docs/kernels.md.)"""
@@ -187,6 +190,7 @@ def test_the_token_layout_forms_dden_from_the_rounded_do(rng, monkeypatch):
     y, vjp = jax.vjp(lambda *x: hopper.attention_form(config, *x), q, k, v, log_g)
     vjp(dy)
     do, dden = captured["do"], captured["dden"]  # do [B, T, H, E]; dden [B, H, 1, T]
+    assert "reduce_precision" in str(jax.make_jaxpr(vjp)(dy))
     assert do.dtype == jnp.bfloat16
     y32 = y.astype(jnp.float32)
     want = -jnp.einsum("bthe,bthe->bht", do.astype(jnp.float32), y32)[:, :, None]
