@@ -38,7 +38,8 @@ _SEED = flags.DEFINE_list("seed", None, "the inputs' seeds (default: the clock);
                           "name alone, so --seed and --cases rerun one check; several "
                           "seeds run every selected check once per seed")
 _ONLY = flags.DEFINE_enum("only", "all",
-                          ["all", "random", "edge", "precision", "decode", "primitives"],
+                          ["all", "random", "edge", "precision", "decode", "primitives",
+                           "rotary"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
@@ -46,7 +47,9 @@ _ONLY = flags.DEFINE_enum("only", "all",
                           "kernel against its reference (LINEAR_CASES) and GPT-2 small's "
                           "fused decoding against its blocks' (MODEL_CASES); primitives: "
                           "the Hopper attention kernels (forward, backward) against the "
-                          "portable ones and its state kernels against their definitions")
+                          "portable ones and its state kernels against their definitions; "
+                          "rotary: the learned-rotary kernels (sympow.layers.rotary_kernel) "
+                          "against their specification (ROTARY_CASES)")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -86,6 +89,10 @@ LINEAR_CASES = [(1, 768, 2336, True, False, False), (1, 768, 768, False, False, 
                 (5, 192, 48, True, False, True)]
 # --only=decode, GPT-2 small (2 of its layers) decoding 8 tokens after a 40-token prompt with
 # the fused step against the blocks' step: (variant, batch).
+# --only=rotary: (b, t, h, hk, d) of rotary_kernel.rotate, both dtypes: GPT-2 small's queries
+# at 65,536 tokens, grouped heads with rows not a multiple of the block, the widest heads.
+ROTARY_CASES = [(1, 65536, 12, 12, 64), (2, 1000, 6, 2, 64), (3, 45, 4, 4, 128),
+                (1, 300, 2, 1, 16)]
 MODEL_CASES = [("conformal", 1), ("conformal", 5), ("softmax", 1), ("sympow", 16)]
 # --only=primitives: (b, hq, hk, n, c, d, e, p, gates) of the Hopper attention forward against
 # the portable one; gates 'ordinary', 'strong' (-1e4 every 97 tokens, 0 elsewhere), 'full'
@@ -152,6 +159,38 @@ def check_linear(rng, dtype: str, rows, k, n, norm, gelu, residual):
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     tol = 1e-5 if dtype == "float32" else 2e-3  # bf16: the normalized x rounds to bf16
     return [("y", err, f"tol {tol:.0e}", err < tol)]
+
+
+def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
+    """Rows (output, err, note, ok) of the learned-rotary kernels against their
+    specification: x' and the cotangents of x and mu, relative L2 errors. mu grows as the
+    layers' does (beta in (0, 2) summed over the tokens, up to ~1e5 at 65,536)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sympow.layers import rotary_kernel
+
+    x = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    mu = jnp.asarray(np.cumsum(rng.uniform(0, 2, (b, t, hk)), axis=1), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(fn, x, mu, dy):
+        y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=65536.0), x, mu)
+        return (y, *vjp(dy))
+
+    got = run(rotary_kernel.rotate, x, mu, dy)
+    want = run(rotary_kernel.rotate_reference, x, mu, dy)
+    # bf16 outputs: the same float32 rotation rounded once (cos and sin may differ in an
+    # ulp); float32 and every mu cotangent: float32 sums in another order.
+    tols = (4e-3, 4e-3, 1e-4) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4)
+    rows = []
+    for name, a, c, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
+        a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+        err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+        rows.append((name, err, f"tol {tol:g}", bool(np.all(np.isfinite(a))) and err <= tol))
+    return rows
 
 
 def check_fused_model(rng, dtype: str, variant: str, batch: int):
@@ -405,6 +444,10 @@ def selected_checks(testing, seed):
                     "bfloat16", "primitive",
                     functools.partial(check_state_kernels, rng(case), *case))
                    for case in STATE_CASES]
+    if _ONLY.value == "rotary":
+        checks = [(("layers", "rotary_kernel"), "b{}_t{}_h{}x{}_d{}".format(*case), dtype,
+                   "rotary", functools.partial(check_rotary, rng(case, dtype), dtype, *case))
+                  for case in ROTARY_CASES for dtype in ("float32", "bfloat16")]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
     return checks

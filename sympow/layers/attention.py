@@ -46,6 +46,7 @@ from sympow.attention import (
     prefill,
     sympow_attention,
 )
+from sympow.layers import rotary_kernel
 from sympow.numerics import compute_dtype
 from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
@@ -56,6 +57,7 @@ __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "Sym
 DECODE_IMPL = {"pallas": "pallas", "xla": "reference", "reference": "reference"}
 
 ROTARY_KINDS = ("none", "fixed", "learned")
+ROTARY_IMPLS = (None, "xla", "pallas")
 GATE_BIAS_INIT = 5.0  # initial b_gamma; None (no bias) is the papers' gate
 
 
@@ -135,13 +137,22 @@ class Rotary(nnx.Module):
 
     Angles are mu_i * theta_j with theta from `sympow.rotary_rates(D, base)`. For 'learned'
     the module owns W_beta (`beta_proj`, d_model -> Hk, no bias, zero init).
+
+    impl: how learned rotary rotates: 'xla' (`sympow.rotary.apply_rotary`), 'pallas' (the
+    kernels of `rotary_kernel`, which make cos and sin from mu in registers; the Pallas
+    interpreter off a GPU) or None: 'pallas' on a GPU for calls of at least
+    `rotary_kernel.BLOCK_ROWS` tokens whose shapes it takes, else 'xla' (decoding's few
+    tokens stay one fused XLA pass).
     """
 
     def __init__(self, d_model: int, n_kv_head: int, head_dim: int, kind: str, *,
                  base: float = 65536.0, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 impl: str | None = None, rngs: nnx.Rngs):
         if kind not in ROTARY_KINDS:
             raise ValueError(f"rotary must be one of {ROTARY_KINDS}, got rotary={kind!r}")
+        if impl not in ROTARY_IMPLS:
+            raise ValueError(f"rotary impl must be one of {ROTARY_IMPLS}, got impl={impl!r}")
+        self.impl = impl
         if not base > 1:
             raise ValueError(f"rotary_base must be > 1, got rotary_base={base!r}")
         self.kind, self.base, self.head_dim = kind, float(base), head_dim
@@ -189,8 +200,23 @@ class Rotary(nnx.Module):
             return apply_rotary(q, angles), apply_rotary(k, angles), None
         beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
         angles, mu = learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
+        if self._kernel_rotates(q, k, mu):
+            return (rotary_kernel.rotate(q, mu, base=self.base),
+                    rotary_kernel.rotate(k, mu, base=self.base), mu[:, -1])
         q = apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
         return q.reshape(b, t, hq, d), apply_rotary(k, angles), mu[:, -1]
+
+    def _kernel_rotates(self, q, k, mu) -> bool:
+        """Whether `rotate` runs `rotary_kernel` (see `impl`)."""
+        if self.impl == "xla":
+            return False
+        reason = rotary_kernel.unsupported(q, mu) or rotary_kernel.unsupported(k, mu)
+        if self.impl == "pallas":
+            if reason is not None:
+                raise ValueError(f"rotary impl='pallas': {reason}")
+            return True
+        return (reason is None and jax.default_backend() == "gpu"
+                and q.shape[0] * q.shape[1] >= rotary_kernel.BLOCK_ROWS)
 
 
 class _Attention(nnx.Module):

@@ -1,0 +1,213 @@
+"""Learned rotary in one kernel each way: cos and sin made in registers from mu.
+
+Learned rotary ([conformal] §3.2; `sympow.rotary`) rotates pair j of every query and key
+of a kv head by mu_i theta_j, mu per token and head. Written in jnp, XLA materializes cos
+and sin as two float32 arrays [B, T, Hk, D/2], each as large as the bf16 queries it
+rotates, and reads both wherever it rotates or differentiates a rotation: in GPT-2 small's
+training step at context 65,536 the rotations took 8.6 ms against fixed rotary's 5.3
+(docs/kernels.md). Here a program reads a block of rows of one head and the block's mu
+[bt] and makes the angles itself (`rotary._reduced_angles`' turns, so cos and sin stay on
+their fast path):
+
+    forward:  x' = x cos + swap(x) sin~              # swap: pairs exchanged, sin~ = (-s, s)
+    backward: dx = dy cos - swap(dy) sin~,  dmu = sum over lanes of theta dy u,
+              u = d x'/d angle = sigma (cos swap(x) - sin~ x),  sigma = (-1, +1) per pair
+
+The pair swap is a product with a 0/1 permutation matrix (exact: one term per output; the
+tensor cores move lanes the vector units would shuffle). Each kv head's mu cotangent is the
+sum over its query heads' (XLA adds the group).
+
+`rotate(x, mu, base=...)` is the function; `sympow.rotary.apply_rotary` with
+`learned_rotary_angles`' angles is its specification (`rotate_reference`). On GPU the
+kernels lower through Triton; elsewhere they run in the Pallas interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from sympow.attention.pallas.launch import idiv, launch
+from sympow.rotary import _reduced_angles, apply_rotary, rotary_rates
+
+__all__ = ["BLOCK_ROWS", "rotate", "rotate_reference", "unsupported"]
+
+F32 = jnp.float32
+BLOCK_ROWS = 64  # rows of one head a program rotates (H200 sweep: docs/kernels.md)
+WARPS = 8
+
+
+class _Plan:
+    """What `launch` reads: the interpreter or Triton, and the pipeline depth."""
+
+    def __init__(self, interpret: bool):
+        self.interpret, self.stages = interpret, 2
+
+
+def unsupported(x: Array, mu: Array) -> str | None:
+    """Why `rotate` cannot take x [B, T, H, D] and mu [B, T, Hk], or None."""
+    if x.ndim != 4 or mu.ndim != 3 or x.shape[:2] != mu.shape[:2]:
+        return f"x [B, T, H, D] and mu [B, T, Hk] needed, got x {x.shape}, mu {mu.shape}"
+    d, h, hk = x.shape[3], x.shape[2], mu.shape[2]
+    if d < 16 or d & (d - 1):
+        return f"head dim D={d} (supported: a power of two >= 16, the kernels' lanes)"
+    if h % hk:
+        return f"H={h} heads of x not a multiple of mu's Hk={hk}"
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"x dtype {x.dtype} (supported: bfloat16, float32)"
+    return None
+
+
+def rotate_reference(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *,
+                     base: float) -> Float[Array, "B T H D"]:
+    """The specification: `apply_rotary` by mu theta (reduced), query head n of kv head
+    n // (H / Hk)."""
+    b, t, h, d = x.shape
+    hk = mu.shape[2]
+    angles = _reduced_angles(mu.astype(F32), rotary_rates(d, base))  # [B, T, Hk, D/2]
+    return apply_rotary(x.reshape(b, t, hk, h // hk, d), angles[:, :, :, None]).reshape(x.shape)
+
+
+def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: float,
+           interpret: bool | None = None, block_rows: int = BLOCK_ROWS
+           ) -> Float[Array, "B T H D"]:
+    """x with pair (2j, 2j+1) of head n rotated by mu[..., n // (H / Hk)] theta_j, theta =
+    `rotary_rates(D, base)`; x's dtype (rotated in float32). Differentiable in x and mu.
+
+    x: [B, T, H, D] bfloat16 or float32, D a power of two >= 16; mu: [B, T, Hk] (used in
+    float32), H a multiple of Hk. interpret: None = the Pallas interpreter unless the default
+    backend is a GPU. block_rows: rows of one head a program rotates (a power of two >= 16).
+    ValueError for shapes `unsupported` names.
+    """
+    if block_rows < 16 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
+    reason = unsupported(x, mu)
+    if reason is not None:
+        raise ValueError(f"rotate: {reason}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _rotate((float(base), bool(interpret), int(block_rows)), x, mu.astype(F32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rotate(setup, x, mu):
+    return _call(setup, "forward", x, mu)[0]
+
+
+def _rotate_fwd(setup, x, mu):
+    return _rotate(setup, x, mu), (x, mu)
+
+
+def _rotate_bwd(setup, res, dy):
+    x, mu = res
+    dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype))
+    b, t, h, _ = x.shape
+    hk = mu.shape[2]
+    return dx, dmu.reshape(b, t, hk, h // hk).sum(axis=-1)
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
+
+
+def _rates(d: int, base: float) -> tuple[Array, Array]:
+    """(turns, theta) [1, D] per lane, pair j on lanes 2j and 2j + 1: theta = rotary_rates
+    and turns = theta / 2 pi, computed as `rotary._reduced_angles` computes them."""
+    theta = rotary_rates(d, base)
+    return jnp.repeat(theta / (2 * jnp.pi), 2)[None], jnp.repeat(theta, 2)[None]
+
+
+@functools.lru_cache(maxsize=8)
+def _swap(d: int) -> np.ndarray:
+    """[D, D] 0/1: the permutation exchanging the lanes of each pair ([i, j]: j = i ^ 1)."""
+    lanes = np.arange(d)
+    return (lanes[:, None] == (lanes ^ 1)[None, :]).astype(np.float32)
+
+
+def _call(setup: tuple[float, bool, int], direction: str, x, mu, dy=None):
+    """Launch the forward ((x',)) or backward ((dx, dmu per head of x)) kernel; setup =
+    (base, interpret, block_rows)."""
+    base, interpret, bt = setup
+    b, t, h, d = x.shape
+    hk = mu.shape[2]
+    rows = b * t
+    padded = -(-rows // bt) * bt
+    flat = lambda a: jnp.pad(  # noqa: E731  [B, T, ...] -> [rows padded, ...]
+        a.reshape(rows, *a.shape[2:]), [(0, padded - rows)] + [(0, 0)] * (a.ndim - 2))
+    turns, theta = _rates(d, base)
+    group = h // hk
+    per_head = pl.BlockSpec((bt, None, d), lambda i, n: (i, n, 0))
+    per_row = pl.BlockSpec((bt, None), lambda i, n: (i, idiv(n, group)))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, n: (0, 0))  # noqa: E731
+    swap = jnp.asarray(_swap(d), x.dtype)  # 0/1: exact in either dtype
+    in_specs = [per_head, per_row, whole(turns), whole(theta), whole(swap)]
+    args = [flat(x), flat(mu), turns, theta, swap]
+    rotated = jax.ShapeDtypeStruct((padded, h, d), x.dtype)
+    if direction == "forward":
+        kernel, out_specs, out_shape = _forward_kernel, [per_head], [rotated]
+    else:
+        in_specs, args = [per_head, *in_specs], [flat(dy), *args]
+        out_specs = [per_head, pl.BlockSpec((bt, None), lambda i, n: (i, n))]
+        out_shape = [rotated, jax.ShapeDtypeStruct((padded, h), F32)]
+        kernel = _backward_kernel
+    outs = launch(functools.partial(kernel, approx=not interpret), plan=_Plan(interpret),
+                  name=f"sympow_rotary_{direction}", grid=(padded // bt, h),
+                  in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                  warps=WARPS)(*args)
+    return [out[:rows].reshape(b, t, *out.shape[1:]) for out in outs]
+
+
+def _angles(mu, turns_per_mu, approx: bool):
+    """(cos, sin~, first) [bt, D] of rows mu [bt]: sin~ = -sin on a pair's first lane (where
+    `first`), +sin on its second; the angle reduced to [-pi, pi] as `rotary._reduced_angles`
+    does. approx: the GPU's cos.approx and sin.approx (absolute error <= 2^-20.5 on
+    [-pi, pi]); libdevice's exact cosf and sinf keep a slow path for huge arguments whose
+    local memory made the kernels 2-10x slower than XLA's rotation (docs/kernels.md)."""
+    turns = mu[:, None] * turns_per_mu  # [bt, D]
+    angle = (2 * math.pi) * (turns - jnp.floor(turns + 0.5))
+    lane = jax.lax.broadcasted_iota(jnp.int32, angle.shape, 1)
+    first = jax.lax.rem(lane, 2) == 0
+    if approx:
+        cos, sin = (_approx(f"{name}.approx.f32 $0, $1;", angle) for name in ("cos", "sin"))
+    else:
+        cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return cos, jnp.where(first, -sin, sin), first
+
+
+def _approx(asm: str, x):
+    from jax.experimental.pallas import triton as plt
+
+    return plt.elementwise_inline_asm(asm, args=[x], constraints="=f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])[0]
+
+
+def _swapped(x, swap):
+    """x [bt, D] with the lanes of each pair exchanged, float32 (a product with the 0/1
+    permutation: one term per output, exact; float32 operands at full precision)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None
+    return jax.lax.dot(x, swap, precision=precision, preferred_element_type=F32)
+
+
+def _forward_kernel(x_ref, mu_ref, turns_ref, theta_ref, swap_ref, out_ref, *, approx):
+    del theta_ref  # the backward's
+    x = x_ref[...]  # [bt, D]
+    cos, signed_sin, _ = _angles(mu_ref[...], turns_ref[...], approx)
+    rotated = x.astype(F32) * cos + _swapped(x, swap_ref[...]) * signed_sin
+    out_ref[...] = rotated.astype(out_ref.dtype)
+
+
+def _backward_kernel(dy_ref, x_ref, mu_ref, turns_ref, theta_ref, swap_ref, dx_ref, dmu_ref, *,
+                     approx):
+    swap = swap_ref[...]
+    cos, signed_sin, first = _angles(mu_ref[...], turns_ref[...], approx)
+    dy, x = dy_ref[...], x_ref[...]  # [bt, D]
+    dx_ref[...] = (dy.astype(F32) * cos - _swapped(dy, swap) * signed_sin).astype(dx_ref.dtype)
+    # d x'/d angle: (-s x_2j - c x_2j+1, c x_2j - s x_2j+1) = sigma (c swap(x) - sin~ x)
+    along = _swapped(x, swap) * cos - x.astype(F32) * signed_sin
+    along = jnp.where(first, -along, along)
+    dmu_ref[...] = jnp.sum(dy.astype(F32) * along * theta_ref[...], axis=1)

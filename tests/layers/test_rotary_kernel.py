@@ -1,0 +1,154 @@
+"""sympow.layers.rotary_kernel: the learned-rotary kernels (Pallas interpreter here) against
+their specification (`sympow.rotary.apply_rotary`), forward and both cotangents, in float32
+and bf16, with grouped heads, rows not a multiple of the block and mu large enough that the
+angles need their reduction; the refusals; the Triton lowering for CUDA (with the GPU's
+approximate cos and sin); and `Rotary`'s choice between the kernels and XLA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sympow.attention.testing import pallas_call_names, rel_err
+from sympow.layers import rotary_kernel
+from sympow.layers.attention import Rotary
+from sympow.layers.rotary_kernel import rotate, rotate_reference
+
+BASE = 65536.0
+
+
+def _inputs(rng, b, t, h, hk, d, dtype):
+    x = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    # mu as the layers make it (beta in (0, 2) summed over tokens), offset to ~3e4: the
+    # angles of the fast pairs are then ~2e5 rad, reduced through their turns.
+    mu = 3e4 + np.cumsum(rng.uniform(0, 2, (b, t, hk)), axis=1)
+    dy = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    return x, jnp.asarray(mu, jnp.float32), dy
+
+
+def _forward_and_cotangents(fn, x, mu, dy, **kw):
+    y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=BASE, **kw), x, mu)
+    return (y, *vjp(dy))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(3, 45, 4, 2, 16), (1, 70, 3, 3, 32), (2, 16, 2, 1, 64)])
+def test_matches_the_specification(rng, dtype, shape):
+    """x', dx and dmu against autodiff of apply_rotary; 45 x 3 and 70 rows are not multiples
+    of the 16-row blocks used here, grouped heads sum their mu cotangents."""
+    x, mu, dy = _inputs(rng, *shape, dtype)
+    got = _forward_and_cotangents(rotate, x, mu, dy, block_rows=16)
+    want = _forward_and_cotangents(rotate_reference, x, mu, dy)
+    assert got[0].dtype == got[1].dtype == jnp.dtype(dtype) and got[2].dtype == jnp.float32
+    assert got[2].shape == mu.shape
+    # The same float32 arithmetic up to the order of sums: bf16 outputs round alike.
+    tols = (1e-6, 1e-6, 1e-5) if dtype == "float32" else (2e-3, 2e-3, 1e-5)
+    for name, a, b, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+def test_rotates_each_query_head_by_its_kv_heads_mu(rng):
+    """Query head n turns by mu[..., n // (H / Hk)]: with mu of head 1 zero, heads 2 and 3
+    are unchanged and heads 0 and 1 are not."""
+    x, mu, _ = _inputs(rng, 1, 20, 4, 2, 16, "float32")
+    mu = mu.at[:, :, 1].set(0.0)
+    y = rotate(x, mu, base=BASE, block_rows=16)
+    np.testing.assert_array_equal(y[:, :, 2:], x[:, :, 2:])
+    assert np.all(np.abs(np.asarray(y[:, :, :2] - x[:, :, :2])).max(axis=(0, 2, 3)) > 1e-3)
+
+
+def test_one_block_size_gives_the_same_numbers_as_another(rng):
+    """The block is a schedule: rows are independent, so 16 and 64 give identical bits."""
+    x, mu, dy = _inputs(rng, 2, 100, 2, 2, 16, "bfloat16")
+    a = _forward_and_cotangents(rotate, x, mu, dy, block_rows=16)
+    b = _forward_and_cotangents(rotate, x, mu, dy, block_rows=64)
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("x_shape, mu_shape, dtype, match", [
+    ((1, 8, 2, 24), (1, 8, 2), "float32", "head dim D=24"),
+    ((1, 8, 3, 16), (1, 8, 2), "float32", "H=3 heads"),
+    ((1, 8, 2, 16), (1, 9, 2), "float32", r"x \[B, T, H, D\] and mu"),
+    ((1, 8, 2, 16), (1, 8, 2), "float16", "dtype float16"),
+])
+def test_refuses_what_it_cannot_take(x_shape, mu_shape, dtype, match):
+    x, mu = jnp.zeros(x_shape, dtype), jnp.zeros(mu_shape)
+    assert rotary_kernel.unsupported(x, mu) is not None
+    with pytest.raises(ValueError, match=match):
+        rotate(x, mu, base=BASE)
+
+
+def test_refuses_a_block_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        rotate(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2)), base=BASE, block_rows=24)
+
+
+def test_lowers_for_cuda_through_triton():
+    """GPT-2 small's queries: both kernels lower through Triton with the GPU's cos.approx
+    and sin.approx (inline PTX, which the interpreter cannot run)."""
+    x = jnp.zeros((1, 4096, 12, 64), jnp.bfloat16)
+    mu = jnp.zeros((1, 4096, 12), jnp.float32)
+
+    def step(x, mu):
+        y, vjp = jax.vjp(lambda x, mu: rotate(x, mu, base=BASE, interpret=False), x, mu)
+        return vjp(y)
+
+    text = jax.jit(step).trace(x, mu).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sympow_rotary_forward" in text and "sympow_rotary_backward" in text
+
+
+def _rotary(impl):
+    return Rotary(32, 2, 16, "learned", impl=impl, rngs=nnx.Rngs(0))
+
+
+def test_the_layer_rotates_alike_with_the_kernels_and_xla(rng):
+    """Rotary(impl='pallas') against impl='xla' (same weights): q', k', mu and the gradient
+    of a loss of q' and k' with respect to W_beta, x, q and k."""
+    b, t = 2, 40
+    x = jnp.asarray(rng.standard_normal((b, t, 32)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, 2, 16)), jnp.float32)
+    w_beta = jnp.asarray(rng.standard_normal((32, 2)) * 0.3, jnp.float32)
+    results = []
+    for impl in ("pallas", "xla"):
+        layer = _rotary(impl)
+        layer.beta_proj.kernel[...] = w_beta
+
+        def loss(layer, x, q, k):
+            q2, k2, mu = layer(x, q, k)
+            return jnp.sum(q2 * jnp.cos(q)) + jnp.sum(k2 ** 2 * jnp.sin(k)) + jnp.sum(mu)
+
+        value, grads = nnx.value_and_grad(loss, argnums=(0, 1, 2, 3))(layer, x, q, k)
+        results.append((layer(x, q, k), value, jax.tree.leaves(grads)))
+    (out_p, value_p, grads_p), (out_x, value_x, grads_x) = results
+    for a, c in zip(out_p, out_x, strict=True):
+        assert rel_err(a, c) <= 1e-6
+    assert abs(float(value_p - value_x)) <= 1e-5 * abs(float(value_x))
+    for a, c in zip(grads_p, grads_x, strict=True):
+        assert rel_err(a, c) <= 1e-5
+
+
+def test_the_layer_picks_xla_off_a_gpu_and_for_a_few_tokens(monkeypatch):
+    """impl=None: the kernels on a GPU for at least BLOCK_ROWS tokens (training, prefill),
+    XLA for decoding's few and on a CPU; 'pallas' with a shape it cannot take: ValueError."""
+    x = jnp.zeros((1, 64, 32))
+    q, k = jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 2, 16))
+
+    def kernels(layer, t):
+        return pallas_call_names(lambda x, q, k: layer(x, q, k), x[:, :t], q[:, :t], k[:, :t])
+
+    assert kernels(_rotary(None), 64) == []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(rotary_kernel, "BLOCK_ROWS", 64)
+    assert len(kernels(_rotary(None), 64)) == 2
+    assert kernels(_rotary(None), 1) == []
+    assert kernels(_rotary("xla"), 64) == []
+    wide = Rotary(48, 2, 24, "learned", impl="pallas", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rotary impl='pallas': head dim D=24"):
+        wide(jnp.zeros((1, 8, 48)), jnp.zeros((1, 8, 2, 24)), jnp.zeros((1, 8, 2, 24)))
+    with pytest.raises(ValueError, match="rotary impl must be one of"):
+        Rotary(32, 2, 16, "learned", impl="triton", rngs=nnx.Rngs(0))
