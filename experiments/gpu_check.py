@@ -180,16 +180,18 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
         y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=65536.0), x, mu)
         return (y, *vjp(dy))
 
-    got = run(rotary_kernel.rotate, x, mu, dy)
     want = run(rotary_kernel.rotate_reference, x, mu, dy)
     # bf16 outputs: the same float32 rotation rounded once (cos and sin may differ in an
     # ulp); float32 and every mu cotangent: float32 sums in another order.
     tols = (4e-3, 4e-3, 1e-4) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4)
     rows = []
-    for name, a, c, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
-        a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
-        err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
-        rows.append((name, err, f"tol {tol:g}", bool(np.all(np.isfinite(a))) and err <= tol))
+    for layout in rotary_kernel.LAYOUTS:  # outputs of the 'heads' layout end in _h
+        got = run(functools.partial(rotary_kernel.rotate, layout=layout), x, mu, dy)
+        for name, a, c, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
+            a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+            err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+            rows.append((name + "_h" * (layout == "heads"), err, f"tol {tol:g}",
+                         bool(np.all(np.isfinite(a))) and err <= tol))
     return rows
 
 

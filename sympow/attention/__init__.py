@@ -17,6 +17,7 @@ library import.
 from sympow.attention.api import (
     DECODE_IMPLS,
     check_settings,
+    chosen_algorithm,
     decode_step,
     default_decode_impl,
     prefill,
@@ -41,6 +42,7 @@ from sympow.attention.reference import (
 __all__ = [
     "ALGORITHMS", "DECODE_IMPLS", "IMPLEMENTATIONS", "IMPLS", "AttentionConfig",
     "ChunkPrimitives", "SympowState", "attention_form", "available_impls", "check_settings",
+    "chosen_algorithm",
     "chunked_attention", "decode_step", "default_decode_impl", "init_state", "prefill",
     "recurrent_form", "recurrent_step", "sympow_attention",
 ]

@@ -104,6 +104,17 @@ def make_config(length: int, p: int, chunk_size: int | None, impl: str | None,
                            chunk_size=chunk_size, interpret=jax.default_backend() != "gpu")
 
 
+def chosen_algorithm(length: int, d: int | None = None, e: int | None = None, p: int = 2, *,
+                     chunk_size: int | None = None, impl: str | None = None,
+                     algorithm: str | None = None, need_state: bool = False) -> str:
+    """The algorithm ('chunked', 'attention', 'recurrent') that `sympow_attention` (or, with
+    need_state, `prefill`) runs for `length` tokens of heads of widths d and e with these
+    settings: what a caller that lays out q and k for the op asks."""
+    widths = None if d is None or e is None else (d, e)
+    return make_config(length, p, chunk_size, impl, algorithm, need_state=need_state,
+                       widths=widths).algorithm
+
+
 def _run(config: AttentionConfig, q, k, v, log_g) -> tuple[Array, SympowState | None]:
     """(y in v's dtype, the final state or None) of the config's implementation."""
     y, state = implementations.lookup(config).run(config, q, k, v, log_g)

@@ -41,6 +41,7 @@ from sympow.attention import (
     DECODE_IMPLS,
     SympowState,
     check_settings,
+    chosen_algorithm,
     decode_step,
     init_state,
     prefill,
@@ -186,9 +187,12 @@ class Rotary(nnx.Module):
         *,
         position: Array | int = 0,
         mu0: Float[Array, "B Hk"] | None = None,
+        layout: str = "tokens",
     ) -> tuple[Array, Array, Array | None]:
         """`__call__` after the projection W_beta x (beta_logits; learned rotary only, else
-        None): what a caller that computed every projection in one product runs."""
+        None): what a caller that computed every projection in one product runs. layout:
+        where the kernels (see `impl`) write q' and k' (`rotary_kernel.rotate`'s layout:
+        'heads' where the chunked algorithm reads them); the same numbers either way."""
         if self.kind == "none":
             return q, k, None
         theta = rotary_rates(self.head_dim, self.base)  # [D/2]
@@ -201,8 +205,8 @@ class Rotary(nnx.Module):
         beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
         angles, mu = learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
         if self._kernel_rotates(q, k, mu):
-            return (rotary_kernel.rotate(q, mu, base=self.base),
-                    rotary_kernel.rotate(k, mu, base=self.base), mu[:, -1])
+            return (rotary_kernel.rotate(q, mu, base=self.base, layout=layout),
+                    rotary_kernel.rotate(k, mu, base=self.base, layout=layout), mu[:, -1])
         q = apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
         return q.reshape(b, t, hq, d), apply_rotary(k, angles), mu[:, -1]
 
@@ -263,10 +267,12 @@ class _Attention(nnx.Module):
         self.rotary = Rotary(d_model, n_kv_head, head_dim, rotary, base=rotary_base,
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def project(self, x: Float[Array, "B T C"], *, position=0, mu0=None):
-        """Returns (q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] | None, mu)."""
+    def project(self, x: Float[Array, "B T C"], *, position=0, mu0=None,
+                rotary_layout: str = "tokens"):
+        """Returns (q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] | None, mu);
+        rotary_layout: `Rotary.rotate`'s layout."""
         return self.heads([linear(x) for linear in self.projections()], position=position,
-                          mu0=mu0)
+                          mu0=mu0, rotary_layout=rotary_layout)
 
     def projections(self) -> list[nnx.Linear]:
         """The linear maps of x in the order `heads` takes their outputs: q, k, v, then the
@@ -275,7 +281,8 @@ class _Attention(nnx.Module):
         linears += [self.gate_proj] if self.gating else []
         return linears + ([self.rotary.beta_proj] if self.rotary.kind == "learned" else [])
 
-    def heads(self, outputs: list[Array], *, position=0, mu0=None):
+    def heads(self, outputs: list[Array], *, position=0, mu0=None,
+              rotary_layout: str = "tokens"):
         """`project` from the outputs [B, T, n_i] of `projections()`: heads split, rotary,
         the gate's log; the same returns."""
         q, k, v, *rest = outputs
@@ -285,7 +292,8 @@ class _Attention(nnx.Module):
         v = v.reshape(b, t, self.n_kv_head, self.head_dim)  # [B, T, Hk, E]
         gate = rest.pop(0) if self.gating else None
         beta_logits = rest.pop(0) if self.rotary.kind == "learned" else None
-        q, k, mu = self.rotary.rotate(beta_logits, q, k, position=position, mu0=mu0)
+        q, k, mu = self.rotary.rotate(beta_logits, q, k, position=position, mu0=mu0,
+                                      layout=rotary_layout)
         log_g = None if gate is None else jax.nn.log_sigmoid(gate)  # [B, T, Hk]
         return q, k, v, log_g, mu
 
@@ -327,7 +335,7 @@ class SympowAttention(_Attention):
         self.decode_impl = decode_impl
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        q, k, v, log_g, _ = self.project(x)
+        q, k, v, log_g, _ = self.project(x, rotary_layout=self._rotary_layout(x.shape[1]))
         y = sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                              impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
         return self.merge_heads(y)
@@ -345,12 +353,21 @@ class SympowAttention(_Attention):
         """
         del max_length
         _check_valid(valid, x.shape[1])
-        q, k, v, log_g, mu = self.project(x)
+        q, k, v, log_g, mu = self.project(
+            x, rotary_layout=self._rotary_layout(x.shape[1], need_state=True))
         if valid is not None:
             k = jnp.where(valid[:, :, None, None], k, jnp.zeros((), k.dtype))
         y, state = prefill(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                            impl=self.impl, algorithm=self.algorithm)
         return self.merge_heads(y), SympowCache(state, mu)
+
+    def _rotary_layout(self, length: int, *, need_state: bool = False) -> str:
+        """'heads' where the attention will run the chunked algorithm (it reads q and k in
+        chunk layout, [B, H, T, D] reshaped), else 'tokens'."""
+        algorithm = chosen_algorithm(length, self.head_dim, self.head_dim, self.p,
+                                     chunk_size=self.chunk_size, impl=self.impl,
+                                     algorithm=self.algorithm, need_state=need_state)
+        return "heads" if algorithm == "chunked" else "tokens"
 
     def decode_heads(self, q: Float[Array, "B 1 Hq D"], k: Float[Array, "B 1 Hk D"],
                      v: Float[Array, "B 1 Hk E"], log_g: Float[Array, "B 1 Hk"] | None, mu,

@@ -36,7 +36,7 @@ from jaxtyping import Array, Float
 from sympow.attention.pallas.launch import idiv, launch
 from sympow.rotary import _reduced_angles, apply_rotary, rotary_rates
 
-__all__ = ["BLOCK_ROWS", "rotate", "rotate_reference", "unsupported"]
+__all__ = ["BLOCK_ROWS", "LAYOUTS", "rotate", "rotate_reference", "unsupported"]
 
 F32 = jnp.float32
 BLOCK_ROWS = 64  # rows of one head a program rotates (H200 sweep: docs/kernels.md)
@@ -74,25 +74,35 @@ def rotate_reference(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *,
     return apply_rotary(x.reshape(b, t, hk, h // hk, d), angles[:, :, :, None]).reshape(x.shape)
 
 
+LAYOUTS = ("tokens", "heads")
+
+
 def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: float,
-           interpret: bool | None = None, block_rows: int = BLOCK_ROWS
-           ) -> Float[Array, "B T H D"]:
+           interpret: bool | None = None, block_rows: int = BLOCK_ROWS,
+           layout: str = "tokens") -> Float[Array, "B T H D"]:
     """x with pair (2j, 2j+1) of head n rotated by mu[..., n // (H / Hk)] theta_j, theta =
     `rotary_rates(D, base)`; x's dtype (rotated in float32). Differentiable in x and mu.
 
     x: [B, T, H, D] bfloat16 or float32, D a power of two >= 16; mu: [B, T, Hk] (used in
     float32), H a multiple of Hk. interpret: None = the Pallas interpreter unless the default
     backend is a GPU. block_rows: rows of one head a program rotates (a power of two >= 16).
-    ValueError for shapes `unsupported` names.
+    layout: how the rotated array lies in memory, and how the backward reads its cotangent:
+    'tokens' ([B, T, H, D], as x) or 'heads' ([B, H, T, D], returned through a transpose
+    to [B, T, H, D]): the chunked algorithm's chunk layout after a free reshape, so that XLA
+    need not copy the result there (it folds the transpose into the consumer). The same
+    numbers either way. ValueError for shapes `unsupported` names.
     """
     if block_rows < 16 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
     reason = unsupported(x, mu)
     if reason is not None:
         raise ValueError(f"rotate: {reason}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _rotate((float(base), bool(interpret), int(block_rows)), x, mu.astype(F32))
+    setup = (float(base), bool(interpret), int(block_rows), layout == "heads")
+    return _rotate(setup, x, mu.astype(F32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -129,37 +139,47 @@ def _swap(d: int) -> np.ndarray:
     return (lanes[:, None] == (lanes ^ 1)[None, :]).astype(np.float32)
 
 
-def _call(setup: tuple[float, bool, int], direction: str, x, mu, dy=None):
-    """Launch the forward ((x',)) or backward ((dx, dmu per head of x)) kernel; setup =
-    (base, interpret, block_rows)."""
-    base, interpret, bt = setup
+def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None):
+    """Launch the forward ((x',)) or backward ((dx, dmu per head of x)) kernel over a grid
+    (B, row blocks, H); setup = (base, interpret, block_rows, heads: x' and dy head-major).
+    x, x' and dy are [B, T, H, D] to the caller; T is padded to whole blocks."""
+    base, interpret, bt, heads = setup
     b, t, h, d = x.shape
     hk = mu.shape[2]
-    rows = b * t
-    padded = -(-rows // bt) * bt
-    flat = lambda a: jnp.pad(  # noqa: E731  [B, T, ...] -> [rows padded, ...]
-        a.reshape(rows, *a.shape[2:]), [(0, padded - rows)] + [(0, 0)] * (a.ndim - 2))
+    padded = -(-t // bt) * bt
+
+    def pad(a, axis=1):  # T (at axis) padded to whole blocks
+        return jnp.pad(a, [(0, padded - t) if i == axis else (0, 0) for i in range(a.ndim)])
+
     turns, theta = _rates(d, base)
     group = h // hk
-    per_head = pl.BlockSpec((bt, None, d), lambda i, n: (i, n, 0))
-    per_row = pl.BlockSpec((bt, None), lambda i, n: (i, idiv(n, group)))
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, n: (0, 0))  # noqa: E731
+    in_tokens = pl.BlockSpec((None, bt, None, d), lambda j, i, n: (j, i, n, 0))
+    in_heads = pl.BlockSpec((None, None, bt, d), lambda j, i, n: (j, n, i, 0))
+    per_row = pl.BlockSpec((None, bt, None), lambda j, i, n: (j, i, idiv(n, group)))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j, i, n: (0, 0))  # noqa: E731
     swap = jnp.asarray(_swap(d), x.dtype)  # 0/1: exact in either dtype
-    in_specs = [per_head, per_row, whole(turns), whole(theta), whole(swap)]
-    args = [flat(x), flat(mu), turns, theta, swap]
-    rotated = jax.ShapeDtypeStruct((padded, h, d), x.dtype)
+    in_specs = [in_tokens, per_row, whole(turns), whole(theta), whole(swap)]
+    args = [pad(x), pad(mu), turns, theta, swap]
+    tokens_shape = jax.ShapeDtypeStruct((b, padded, h, d), x.dtype)
+    heads_shape = jax.ShapeDtypeStruct((b, h, padded, d), x.dtype)
     if direction == "forward":
-        kernel, out_specs, out_shape = _forward_kernel, [per_head], [rotated]
+        out_specs = [in_heads if heads else in_tokens]
+        out_shape = [heads_shape if heads else tokens_shape]
+        kernel = _forward_kernel
     else:
-        in_specs, args = [per_head, *in_specs], [flat(dy), *args]
-        out_specs = [per_head, pl.BlockSpec((bt, None), lambda i, n: (i, n))]
-        out_shape = [rotated, jax.ShapeDtypeStruct((padded, h), F32)]
+        dy = jnp.swapaxes(dy, 1, 2) if heads else dy  # XLA writes it head-major
+        in_specs = [in_heads if heads else in_tokens, *in_specs]
+        args = [pad(dy, axis=2 if heads else 1), *args]
+        out_specs = [in_tokens, pl.BlockSpec((None, bt, None), lambda j, i, n: (j, i, n))]
+        out_shape = [tokens_shape, jax.ShapeDtypeStruct((b, padded, h), F32)]
         kernel = _backward_kernel
     outs = launch(functools.partial(kernel, approx=not interpret), plan=_Plan(interpret),
-                  name=f"sympow_rotary_{direction}", grid=(padded // bt, h),
+                  name=f"sympow_rotary_{direction}", grid=(b, padded // bt, h),
                   in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                   warps=WARPS)(*args)
-    return [out[:rows].reshape(b, t, *out.shape[1:]) for out in outs]
+    if direction == "forward" and heads:
+        return [jnp.swapaxes(outs[0][:, :, :t], 1, 2)]
+    return [out[:, :t] for out in outs]
 
 
 def _angles(mu, turns_per_mu, approx: bool):

@@ -34,13 +34,15 @@ def _forward_and_cotangents(fn, x, mu, dy, **kw):
     return (y, *vjp(dy))
 
 
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(3, 45, 4, 2, 16), (1, 70, 3, 3, 32), (2, 16, 2, 1, 64)])
-def test_matches_the_specification(rng, dtype, shape):
-    """x', dx and dmu against autodiff of apply_rotary; 45 x 3 and 70 rows are not multiples
-    of the 16-row blocks used here, grouped heads sum their mu cotangents."""
+def test_matches_the_specification(rng, dtype, shape, layout):
+    """x', dx and dmu against autodiff of apply_rotary, x' written in either layout; 45 and
+    70 tokens are not multiples of the 16-row blocks used here, grouped heads sum their mu
+    cotangents."""
     x, mu, dy = _inputs(rng, *shape, dtype)
-    got = _forward_and_cotangents(rotate, x, mu, dy, block_rows=16)
+    got = _forward_and_cotangents(rotate, x, mu, dy, block_rows=16, layout=layout)
     want = _forward_and_cotangents(rotate_reference, x, mu, dy)
     assert got[0].dtype == got[1].dtype == jnp.dtype(dtype) and got[2].dtype == jnp.float32
     assert got[2].shape == mu.shape
@@ -82,9 +84,48 @@ def test_refuses_what_it_cannot_take(x_shape, mu_shape, dtype, match):
         rotate(x, mu, base=BASE)
 
 
-def test_refuses_a_block_that_is_not_a_power_of_two():
+def test_refuses_a_block_that_is_not_a_power_of_two_and_an_unknown_layout():
+    x, mu = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2))
     with pytest.raises(ValueError, match="block_rows must be a power of two"):
-        rotate(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2)), base=BASE, block_rows=24)
+        rotate(x, mu, base=BASE, block_rows=24)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        rotate(x, mu, base=BASE, layout="chunks")
+
+
+def _kernel_calls(fn, *args) -> list:
+    """Every pallas_call equation in fn's jaxpr, nested jaxprs included, in order."""
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return calls
+
+
+def _kernel_outputs(fn, *args) -> list[tuple]:
+    """Shapes of the outputs of every pallas_call in fn's jaxpr, in order."""
+    return [tuple(tuple(v.aval.shape) for v in eqn.outvars) for eqn in _kernel_calls(fn, *args)]
+
+
+def test_the_heads_layout_writes_and_reads_head_major_arrays():
+    """layout='heads': the forward kernel writes [B, H, T, D] (T padded to the block) and the
+    result is its transpose; the backward reads dy head-major and writes dx as x lies."""
+    x, mu = jnp.zeros((2, 20, 3, 16)), jnp.zeros((2, 20, 3))
+
+    def forward(x, mu, layout):
+        return rotate(x, mu, base=BASE, block_rows=16, layout=layout)
+
+    assert _kernel_outputs(lambda x, mu: forward(x, mu, "heads"), x, mu) == [((2, 3, 32, 16),)]
+    assert _kernel_outputs(lambda x, mu: forward(x, mu, "tokens"), x, mu) == [((2, 32, 3, 16),)]
+    calls = _kernel_calls(
+        lambda x, mu: jax.vjp(lambda x: forward(x, mu, "heads"), x)[1](x), x, mu)
+    assert tuple(calls[-1].invars[0].aval.shape) == (2, 3, 32, 16)  # dy
+    assert tuple(calls[-1].outvars[0].aval.shape) == (2, 32, 3, 16)  # dx
 
 
 def test_lowers_for_cuda_through_triton():
@@ -130,6 +171,28 @@ def test_the_layer_rotates_alike_with_the_kernels_and_xla(rng):
     assert abs(float(value_p - value_x)) <= 1e-5 * abs(float(value_x))
     for a, c in zip(grads_p, grads_x, strict=True):
         assert rel_err(a, c) <= 1e-5
+
+
+@pytest.mark.parametrize("algorithm, layout", [("chunked", "heads"), ("attention", "tokens")])
+def test_the_attention_layer_asks_for_the_layout_its_algorithm_reads(algorithm, layout):
+    """SympowAttention rotates into 'heads' where the chunked algorithm runs (it reads q and k
+    in chunk layout) and 'tokens' for the attention form; `chosen_algorithm` says which."""
+    from sympow.attention import chosen_algorithm
+    from sympow.layers.attention import SympowAttention
+
+    layer = SympowAttention(32, 2, gating=True, rotary="learned", algorithm=algorithm,
+                            impl="xla", rngs=nnx.Rngs(0))
+    assert chosen_algorithm(300, 16, 16, 2, impl="xla", algorithm=algorithm) == algorithm
+    assert layer._rotary_layout(300) == layout
+
+
+def test_chosen_algorithm_follows_the_cost_model():
+    """impl=None: the attention form for short T at p = 2, d = 64, the chunked algorithm for
+    long ones (docs/design.md §5.1), as sympow_attention would run them."""
+    from sympow.attention import chosen_algorithm
+
+    assert chosen_algorithm(256, 64, 64, 2, impl="xla") == "attention"
+    assert chosen_algorithm(65536, 64, 64, 2, impl="xla") == "chunked"
 
 
 def test_the_layer_picks_xla_off_a_gpu_and_for_a_few_tokens(monkeypatch):
