@@ -28,6 +28,7 @@ Every layer has three entry points: `__call__(x)` (training / full forward), `pr
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -196,19 +197,17 @@ class Rotary(nnx.Module):
         if self.kind == "none":
             return q, k, None
         theta = rotary_rates(self.head_dim, self.base)  # [D/2]
-        b, t, hq, d = q.shape
-        hk = k.shape[2]
         if self.kind == "fixed":
-            positions = position + jnp.arange(t)
+            positions = position + jnp.arange(q.shape[1])
             angles = fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
             return apply_rotary(q, angles), apply_rotary(k, angles), None
         beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
-        angles, mu = learned_rotary_angles(beta, theta, mu0)  # [B, T, Hk, D/2]
+        _, mu = learned_rotary_angles(beta, theta, mu0)  # mu [B, T, Hk]; rotate turns it
         if self._kernel_rotates(q, k, mu):
-            return (rotary_kernel.rotate(q, mu, base=self.base, layout=layout),
-                    rotary_kernel.rotate(k, mu, base=self.base, layout=layout), mu[:, -1])
-        q = apply_rotary(q.reshape(b, t, hk, hq // hk, d), angles[:, :, :, None])
-        return q.reshape(b, t, hq, d), apply_rotary(k, angles), mu[:, -1]
+            rotate = functools.partial(rotary_kernel.rotate, layout=layout)
+        else:  # the specification: apply_rotary by mu theta, per kv head's query group
+            rotate = rotary_kernel.rotate_reference
+        return rotate(q, mu, base=self.base), rotate(k, mu, base=self.base), mu[:, -1]
 
     def _kernel_rotates(self, q, k, mu) -> bool:
         """Whether `rotate` runs `rotary_kernel` (see `impl`)."""
