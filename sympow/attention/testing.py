@@ -168,19 +168,25 @@ def check_fp32(case: Case, args, impl: Impl, gold_impl: Impl = "reference",
     return rows
 
 
-def pallas_call_names(fn, *args) -> list[str]:
-    """Names of every pallas_call in the jaxpr of fn(*args), nested jaxprs included."""
-    names = []
+def pallas_calls(fn, *args) -> list:
+    """Every pallas_call equation in the jaxpr of fn(*args), nested jaxprs included, in
+    order (their params, operands and results)."""
+    calls = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                names.append(str(eqn.params["name"]))
+                calls.append(eqn)
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return names
+    return calls
+
+
+def pallas_call_names(fn, *args) -> list[str]:
+    """Names of every pallas_call in the jaxpr of fn(*args), nested jaxprs included."""
+    return [str(eqn.params["name"]) for eqn in pallas_calls(fn, *args)]
 
 
 # ---------------------------------------------------------------------------------------

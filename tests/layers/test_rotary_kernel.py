@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sympow.attention.testing import pallas_call_names, rel_err
+from sympow.attention.testing import pallas_call_names, pallas_calls, rel_err
 from sympow.layers import rotary_kernel
 from sympow.layers.attention import Rotary
 from sympow.layers.rotary_kernel import rotate, rotate_reference
@@ -92,24 +92,9 @@ def test_refuses_a_block_that_is_not_a_power_of_two_and_an_unknown_layout():
         rotate(x, mu, base=BASE, layout="chunks")
 
 
-def _kernel_calls(fn, *args) -> list:
-    """Every pallas_call equation in fn's jaxpr, nested jaxprs included, in order."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                calls.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return calls
-
-
 def _kernel_outputs(fn, *args) -> list[tuple]:
     """Shapes of the outputs of every pallas_call in fn's jaxpr, in order."""
-    return [tuple(tuple(v.aval.shape) for v in eqn.outvars) for eqn in _kernel_calls(fn, *args)]
+    return [tuple(tuple(v.aval.shape) for v in eqn.outvars) for eqn in pallas_calls(fn, *args)]
 
 
 def test_the_heads_layout_writes_and_reads_head_major_arrays():
@@ -122,7 +107,7 @@ def test_the_heads_layout_writes_and_reads_head_major_arrays():
 
     assert _kernel_outputs(lambda x, mu: forward(x, mu, "heads"), x, mu) == [((2, 3, 32, 16),)]
     assert _kernel_outputs(lambda x, mu: forward(x, mu, "tokens"), x, mu) == [((2, 32, 3, 16),)]
-    calls = _kernel_calls(
+    calls = pallas_calls(
         lambda x, mu: jax.vjp(lambda x: forward(x, mu, "heads"), x)[1](x), x, mu)
     assert tuple(calls[-1].invars[0].aval.shape) == (2, 3, 32, 16)  # dy
     assert tuple(calls[-1].outvars[0].aval.shape) == (2, 32, 3, 16)  # dx
