@@ -163,8 +163,10 @@ def check_linear(rng, dtype: str, rows, k, n, norm, gelu, residual):
 
 def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
     """Rows (output, err, note, ok) of the learned-rotary kernels against their
-    specification: x' and the cotangents of x and mu, relative L2 errors. mu grows as the
-    layers' does (beta in (0, 2) summed over the tokens, up to ~1e5 at 65,536)."""
+    specification: x' and the cotangents of x and mu, relative L2 errors, in both layouts;
+    then with a bias [H, D] added as the rows load (outputs ending in _b; its cotangent
+    dbias). mu grows as the layers' does (beta in (0, 2) summed over the tokens, up to ~1e5
+    at 65,536)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -174,24 +176,38 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
     x = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
     mu = jnp.asarray(np.cumsum(rng.uniform(0, 2, (b, t, hk)), axis=1), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    bias = jnp.asarray(rng.standard_normal((h, d)), jnp.float32)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def run(fn, x, mu, dy):
-        y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=65536.0), x, mu)
+    def run(fn, x, mu, dy, bias):
+        if bias is None:
+            y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=65536.0), x, mu)
+        else:
+            y, vjp = jax.vjp(lambda x, mu, bias: fn(x, mu, base=65536.0, bias=bias), x, mu,
+                             bias)
         return (y, *vjp(dy))
 
-    want = run(rotary_kernel.rotate_reference, x, mu, dy)
     # bf16 outputs: the same float32 rotation rounded once (cos and sin may differ in an
-    # ulp); float32 and every mu cotangent: float32 sums in another order.
-    tols = (4e-3, 4e-3, 1e-4) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4)
+    # ulp); float32 and every mu cotangent: float32 sums in another order. dbias sums the
+    # dx returned (in x's dtype): its error is at most that rounding, <= 2^-8 |dx| a term
+    # in bf16, so its row reports max |error| / (2^-8 sum |dx|) (float32: 1e-5 for 2^-8).
+    tols = (4e-3, 4e-3, 1e-4, 1.0) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4, 1.0)
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 1e-5
     rows = []
-    for layout in rotary_kernel.LAYOUTS:  # outputs of the 'heads' layout end in _h
-        got = run(functools.partial(rotary_kernel.rotate, layout=layout), x, mu, dy)
-        for name, a, c, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
-            a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
-            err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
-            rows.append((name + "_h" * (layout == "heads"), err, f"tol {tol:g}",
-                         bool(np.all(np.isfinite(a))) and err <= tol))
+    for shift in (None, bias):
+        want = run(rotary_kernel.rotate_reference, x, mu, dy, shift)
+        for layout in rotary_kernel.LAYOUTS:  # outputs of the 'heads' layout end in _h
+            got = run(functools.partial(rotary_kernel.rotate, layout=layout), x, mu, dy, shift)
+            suffix = "_h" * (layout == "heads") + "_b" * (shift is not None)
+            names = ("y", "dx", "dmu", "dbias")[:len(got)]
+            for name, a, c, tol in zip(names, got, want, tols[:len(got)], strict=True):
+                a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+                err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+                if name == "dbias":
+                    bound = unit * np.abs(np.asarray(want[1], np.float64)).sum(axis=(0, 1))
+                    err = float(np.max(np.abs(a - c) / bound))
+                rows.append((name + suffix, err, f"tol {tol:g}",
+                             bool(np.all(np.isfinite(a))) and err <= tol))
     return rows
 
 

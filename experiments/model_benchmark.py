@@ -19,7 +19,9 @@ the same --steps steps once more as trainer.py runs them (dispatched back to bac
 losses read at the end: the host prepares the next step while the GPU runs this one), their
 mean step time and tokens/s ("pipelined"), and the same from the first step's end to the
 last's ("steady": a long run's rate, without the latency before the first step's first
-kernel, which the pipelined mean spreads over --steps steps); the loss of every step of
+kernel, which the pipelined mean spreads over --steps steps), and how long each of those
+calls took to return to the host ("dispatch_ms": near a step's time where the host waits on
+the GPU instead of queueing ahead); the loss of every step of
 both passes (must fall and stay finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
@@ -203,9 +205,11 @@ def train_case(case: dict) -> dict:
     # The same steps again as trainer.py runs them: dispatched back to back, the losses read
     # at the end (its log points), so the host prepares a step while the GPU runs the last.
     start = time.perf_counter()
-    queued, first_done = [], None
+    queued, first_done, dispatch = [], None, []
     for i, (x, y) in enumerate(batches):
+        called = time.perf_counter()
         state, metrics = compiled(state, x, y)
+        dispatch.append(time.perf_counter() - called)  # ~ a step's time if the host waits
         queued.append(metrics["loss"])
         if i == 1:  # the first step's end, while the second runs
             jax.block_until_ready(queued[0])
@@ -224,6 +228,7 @@ def train_case(case: dict) -> dict:
             "pipelined_tokens_per_s": round(rows * t / pipelined_s),
             "steady_step_ms": round(steady_s * 1e3, 2),
             "steady_tokens_per_s": round(rows * t / steady_s),
+            "dispatch_ms": [round(d * 1e3, 2) for d in dispatch],
             "losses": [round(v, 4) for v in losses],
             "finite": finite, "loss_fell": finite and losses[-1] < losses[0],
             "peak_gib": peak_gib()}

@@ -114,6 +114,13 @@ def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
 
+def _product(linear: nnx.Linear, x: Float[Array, "... C"]) -> Float[Array, "... N"]:
+    """`linear(x)` without its bias: the same promotion and product as `nnx.Linear`."""
+    x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
+    return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                              precision=linear.precision)
+
+
 def _check_layout(d_model: int, n_head: int, n_kv_head: int, rotary: str) -> int:
     """Validate the head layout; return the head dim D."""
     for name, value in (("d_model", d_model), ("n_head", n_head), ("n_kv_head", n_kv_head)):
@@ -189,25 +196,33 @@ class Rotary(nnx.Module):
         position: Array | int = 0,
         mu0: Float[Array, "B Hk"] | None = None,
         layout: str = "tokens",
+        biases: tuple[Float[Array, "Hq D"], Float[Array, "Hk D"]] | None = None,
     ) -> tuple[Array, Array, Array | None]:
         """`__call__` after the projection W_beta x (beta_logits; learned rotary only, else
         None): what a caller that computed every projection in one product runs. layout:
         where the kernels (see `impl`) write q' and k' (`rotary_kernel.rotate`'s layout:
-        'heads' where the chunked algorithm reads them); the same numbers either way."""
+        'heads' where the chunked algorithm reads them); the same numbers either way.
+        biases: the q and k projections' biases when q and k come without them: the kernels
+        add them as they load the rows, XLA as `nnx.Linear` adds its bias (in q's dtype)."""
+        theta = rotary_rates(self.head_dim, self.base)  # [D/2]
+        if self.kind == "learned":
+            beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
+            _, mu = learned_rotary_angles(beta, theta, mu0)  # mu [B, T, Hk]; rotate turns it
+            if self._kernel_rotates(q, k, mu):
+                rotate = functools.partial(rotary_kernel.rotate, base=self.base, layout=layout)
+                q_bias, k_bias = (None, None) if biases is None else biases
+                return rotate(q, mu, bias=q_bias), rotate(k, mu, bias=k_bias), mu[:, -1]
+        if biases is not None:
+            q, k = (x + bias.astype(x.dtype) for x, bias in zip((q, k), biases, strict=True))
         if self.kind == "none":
             return q, k, None
-        theta = rotary_rates(self.head_dim, self.base)  # [D/2]
         if self.kind == "fixed":
             positions = position + jnp.arange(q.shape[1])
             angles = fixed_rotary_angles(positions, theta)[None, :, None]  # [1, T, 1, D/2]
             return apply_rotary(q, angles), apply_rotary(k, angles), None
-        beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
-        _, mu = learned_rotary_angles(beta, theta, mu0)  # mu [B, T, Hk]; rotate turns it
-        if self._kernel_rotates(q, k, mu):
-            rotate = functools.partial(rotary_kernel.rotate, layout=layout)
-        else:  # the specification: apply_rotary by mu theta, per kv head's query group
-            rotate = rotary_kernel.rotate_reference
-        return rotate(q, mu, base=self.base), rotate(k, mu, base=self.base), mu[:, -1]
+        # the specification: apply_rotary by mu theta, per kv head's query group
+        rotate = functools.partial(rotary_kernel.rotate_reference, base=self.base)
+        return rotate(q, mu), rotate(k, mu), mu[:, -1]
 
     def _kernel_rotates(self, q, k, mu) -> bool:
         """Whether `rotate` runs `rotary_kernel` (see `impl`)."""
@@ -269,9 +284,18 @@ class _Attention(nnx.Module):
     def project(self, x: Float[Array, "B T C"], *, position=0, mu0=None,
                 rotary_layout: str = "tokens"):
         """Returns (q [B,T,Hq,D], k [B,T,Hk,D], v [B,T,Hk,E], log_g [B,T,Hk] | None, mu);
-        rotary_layout: `Rotary.rotate`'s layout."""
-        return self.heads([linear(x) for linear in self.projections()], position=position,
-                          mu0=mu0, rotary_layout=rotary_layout)
+        rotary_layout: `Rotary.rotate`'s layout. Under learned rotary the q and k products
+        leave without their biases, which `Rotary.rotate` adds (inside its kernels where
+        they run: XLA cannot fuse the add into a kernel, so it made a pass of its own)."""
+        linears = self.projections()
+        if self.rotary.kind != "learned":
+            return self.heads([linear(x) for linear in linears], position=position, mu0=mu0,
+                              rotary_layout=rotary_layout)
+        outputs = [_product(linear, x) for linear in linears[:2]]
+        outputs += [linear(x) for linear in linears[2:]]
+        biases = tuple(linear.bias[...].reshape(-1, self.head_dim) for linear in linears[:2])
+        return self.heads(outputs, position=position, mu0=mu0, rotary_layout=rotary_layout,
+                          biases=biases)
 
     def projections(self) -> list[nnx.Linear]:
         """The linear maps of x in the order `heads` takes their outputs: q, k, v, then the
@@ -281,9 +305,10 @@ class _Attention(nnx.Module):
         return linears + ([self.rotary.beta_proj] if self.rotary.kind == "learned" else [])
 
     def heads(self, outputs: list[Array], *, position=0, mu0=None,
-              rotary_layout: str = "tokens"):
+              rotary_layout: str = "tokens", biases=None):
         """`project` from the outputs [B, T, n_i] of `projections()`: heads split, rotary,
-        the gate's log; the same returns."""
+        the gate's log; the same returns. biases: `Rotary.rotate`'s (q and k's outputs
+        without their projections' biases), or None (every output complete)."""
         q, k, v, *rest = outputs
         b, t, _ = q.shape
         q = q.reshape(b, t, self.n_head, self.head_dim)  # [B, T, Hq, D]
@@ -292,7 +317,7 @@ class _Attention(nnx.Module):
         gate = rest.pop(0) if self.gating else None
         beta_logits = rest.pop(0) if self.rotary.kind == "learned" else None
         q, k, mu = self.rotary.rotate(beta_logits, q, k, position=position, mu0=mu0,
-                                      layout=rotary_layout)
+                                      layout=rotary_layout, biases=biases)
         log_g = None if gate is None else jax.nn.log_sigmoid(gate)  # [B, T, Hk]
         return q, k, v, log_g, mu
 

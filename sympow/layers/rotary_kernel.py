@@ -13,6 +13,14 @@ their fast path):
     backward: dx = dy cos - swap(dy) sin~,  dmu = sum over lanes of theta dy u,
               u = d x'/d angle = sigma (cos swap(x) - sin~ x),  sigma = (-1, +1) per pair
 
+An optional bias b [H, D] is added as the rows load (x + b in place of x above; swap(x + b)
+= swap(x) + swap(b), the second read pre-swapped): the projections' bias of q and k, which
+XLA otherwise adds in a pass of its own before a kernel it cannot fuse into (1.68 ms of a
+GPT-2 small step at 65,536 tokens on an H100). Its cotangent, the sum of dx over the rows,
+is XLA's reduction of dx, as autodiff of the add had it: summed in the backward kernel (a
+float32 partial sum per program) it made the kernel 28 % slower, more than the pass it
+saved (docs/kernels.md).
+
 The pair swap is a product with a 0/1 permutation matrix (exact: one term per output; the
 tensor cores move lanes the vector units would shuffle). Each kv head's mu cotangent is the
 sum over its query heads' (XLA adds the group). cos and sin are the GPU's approximate ones
@@ -72,32 +80,38 @@ def unsupported(x: Array, mu: Array) -> str | None:
 
 
 def rotate_reference(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *,
-                     base: float) -> Float[Array, "B T H D"]:
-    """The specification: `apply_rotary` by mu theta (reduced), query head n of kv head
-    n // (H / Hk)."""
+                     base: float, bias: Float[Array, "H D"] | None = None
+                     ) -> Float[Array, "B T H D"]:
+    """The specification: `apply_rotary` by mu theta (reduced) of x (+ bias, added in
+    float32), query head n of kv head n // (H / Hk); x's dtype."""
     b, t, h, d = x.shape
     hk = mu.shape[2]
     angles = _reduced_angles(mu.astype(F32), rotary_rates(d, base))  # [B, T, Hk, D/2]
-    return apply_rotary(x.reshape(b, t, hk, h // hk, d), angles[:, :, :, None]).reshape(x.shape)
+    shifted = x if bias is None else x.astype(F32) + bias.astype(F32)
+    rotated = apply_rotary(shifted.reshape(b, t, hk, h // hk, d), angles[:, :, :, None])
+    return rotated.reshape(x.shape).astype(x.dtype)
 
 
 LAYOUTS = ("tokens", "heads")
 
 
 def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: float,
-           interpret: bool | None = None, block_rows: int = BLOCK_ROWS,
-           layout: str = "tokens") -> Float[Array, "B T H D"]:
-    """x with pair (2j, 2j+1) of head n rotated by mu[..., n // (H / Hk)] theta_j, theta =
-    `rotary_rates(D, base)`; x's dtype (rotated in float32). Differentiable in x and mu.
+           bias: Float[Array, "H D"] | None = None, interpret: bool | None = None,
+           block_rows: int = BLOCK_ROWS, layout: str = "tokens") -> Float[Array, "B T H D"]:
+    """x (+ bias) with pair (2j, 2j+1) of head n rotated by mu[..., n // (H / Hk)] theta_j,
+    theta = `rotary_rates(D, base)`; x's dtype (rotated in float32). Differentiable in x,
+    mu and bias.
 
     x: [B, T, H, D] bfloat16 or float32, D a power of two >= 16; mu: [B, T, Hk] (used in
-    float32), H a multiple of Hk. interpret: None = the Pallas interpreter unless the default
-    backend is a GPU. block_rows: rows of one head a program rotates (a power of two >= 16).
-    layout: how the rotated array lies in memory, and how the backward reads its cotangent:
-    'tokens' ([B, T, H, D], as x) or 'heads' ([B, H, T, D], returned through a transpose
-    to [B, T, H, D]): the chunked algorithm's chunk layout after a free reshape, so that XLA
-    need not copy the result there (it folds the transpose into the consumer). The same
-    numbers either way. ValueError for shapes `unsupported` names.
+    float32), H a multiple of Hk; bias: None or [H, D], any float dtype (added in float32
+    as the rows load; its cotangent, the sum of dx over rows, in its dtype). interpret:
+    None = the Pallas interpreter unless the default backend is a GPU. block_rows: rows of
+    one head a program rotates (a power of two >= 16). layout: how the rotated array lies
+    in memory, and how the backward reads its cotangent: 'tokens' ([B, T, H, D], as x) or
+    'heads' ([B, H, T, D], returned through a transpose to [B, T, H, D]): the chunked
+    algorithm's chunk layout after a free reshape, so that XLA need not copy the result
+    there (it folds the transpose into the consumer). The same numbers either way.
+    ValueError for shapes `unsupported` names, and for a bias not [H, D].
     """
     if block_rows < 16 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
@@ -106,10 +120,16 @@ def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: floa
     reason = unsupported(x, mu)
     if reason is not None:
         raise ValueError(f"rotate: {reason}")
+    if bias is not None and (getattr(bias, "shape", None) != x.shape[2:]
+                             or not jnp.issubdtype(bias.dtype, jnp.floating)):
+        raise ValueError(f"rotate: bias must be a float [H, D] = {list(x.shape[2:])} array, "
+                         f"got {getattr(bias, 'dtype', type(bias))} {getattr(bias, 'shape', '')}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     setup = (float(base), bool(interpret), int(block_rows), layout == "heads")
-    return _rotate(setup, x, mu.astype(F32))
+    if bias is None:
+        return _rotate(setup, x, mu.astype(F32))
+    return _rotate_shifted(setup, x, mu.astype(F32), bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -124,12 +144,36 @@ def _rotate_fwd(setup, x, mu):
 def _rotate_bwd(setup, res, dy):
     x, mu = res
     dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype))
-    b, t, h, _ = x.shape
-    hk = mu.shape[2]
-    return dx, dmu.reshape(b, t, hk, h // hk).sum(axis=-1)
+    return dx, _kv_head_sums(dmu, mu)
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rotate_shifted(setup, x, mu, bias):
+    return _call(setup, "forward", x, mu, bias=bias)[0]
+
+
+def _rotate_shifted_fwd(setup, x, mu, bias):
+    return _rotate_shifted(setup, x, mu, bias), (x, mu, bias)
+
+
+def _rotate_shifted_bwd(setup, res, dy):
+    x, mu, bias = res
+    dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype), bias=bias)
+    dbias = jnp.sum(dx.astype(F32), axis=(0, 1))  # [H, D]: d(x + b) summed over rows
+    return dx, _kv_head_sums(dmu, mu), dbias.astype(bias.dtype)
+
+
+_rotate_shifted.defvjp(_rotate_shifted_fwd, _rotate_shifted_bwd)
+
+
+def _kv_head_sums(dmu, mu):
+    """dmu [B, T, H] per head of x summed over each kv head's group: [B, T, Hk]."""
+    b, t, h = dmu.shape
+    hk = mu.shape[2]
+    return dmu.reshape(b, t, hk, h // hk).sum(axis=-1)
 
 
 def _rates(d: int, base: float) -> tuple[Array, Array]:
@@ -146,10 +190,11 @@ def _swap(d: int) -> np.ndarray:
     return (lanes[:, None] == (lanes ^ 1)[None, :]).astype(np.float32)
 
 
-def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None):
+def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None, bias=None):
     """Launch the forward ((x',)) or backward ((dx, dmu per head of x)) kernel over a grid
-    (B, row blocks, H); setup = (base, interpret, block_rows, heads: x' and dy head-major).
-    x, x' and dy are [B, T, H, D] to the caller; T is padded to whole blocks."""
+    (B, row blocks, H), x shifted by bias [H, D] if given; setup = (base, interpret,
+    block_rows, heads: x' and dy head-major). x, x' and dy are [B, T, H, D] to the caller;
+    T is padded to whole blocks."""
     base, interpret, bt, heads = setup
     b, t, h, d = x.shape
     hk = mu.shape[2]
@@ -167,6 +212,11 @@ def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None):
     swap = jnp.asarray(_swap(d), x.dtype)  # 0/1: exact in either dtype
     in_specs = [in_tokens, per_row, whole(turns), whole(theta), whole(swap)]
     args = [pad(x), pad(mu), turns, theta, swap]
+    if bias is not None:  # b and swap(b), one row per head of x
+        per_head = pl.BlockSpec((None, d), lambda j, i, n: (n, 0))
+        shift = bias.astype(F32)
+        in_specs += [per_head, per_head]
+        args += [shift, shift.reshape(h, d // 2, 2)[..., ::-1].reshape(h, d)]
     tokens_shape = jax.ShapeDtypeStruct((b, padded, h, d), x.dtype)
     heads_shape = jax.ShapeDtypeStruct((b, h, padded, d), x.dtype)
     if direction == "forward":
@@ -180,7 +230,8 @@ def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None):
         out_specs = [in_tokens, pl.BlockSpec((None, bt, None), lambda j, i, n: (j, i, n))]
         out_shape = [tokens_shape, jax.ShapeDtypeStruct((b, padded, h), F32)]
         kernel = _backward_kernel
-    outs = launch(functools.partial(kernel, approx=not interpret), plan=_Plan(interpret),
+    kernel = functools.partial(kernel, approx=not interpret, shifted=bias is not None)
+    outs = launch(kernel, plan=_Plan(interpret),
                   name=f"sympow_rotary_{direction}", grid=(b, padded // bt, h),
                   in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                   warps=WARPS)(*args)
@@ -220,21 +271,34 @@ def _swapped(x, swap):
     return jax.lax.dot(x, swap, precision=precision, preferred_element_type=F32)
 
 
-def _forward_kernel(x_ref, mu_ref, turns_ref, theta_ref, swap_ref, out_ref, *, approx):
-    del theta_ref  # the backward's
-    x = x_ref[...]  # [bt, D]
+def _rows(x_ref, swap, shift_refs):
+    """(x, swap(x)) [bt, D] float32 of the block, the bias and its swap added if given."""
+    x = x_ref[...]
+    x32, swapped = x.astype(F32), _swapped(x, swap)
+    if shift_refs:
+        bias_ref, swapped_bias_ref = shift_refs
+        x32, swapped = x32 + bias_ref[...][None], swapped + swapped_bias_ref[...][None]
+    return x32, swapped
+
+
+def _forward_kernel(x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx, shifted):
+    del theta_ref, shifted  # the backward's; refs tell
+    *shift_refs, out_ref = refs
+    x, swapped = _rows(x_ref, swap_ref[...], shift_refs)  # [bt, D] each
     cos, signed_sin, _ = _angles(mu_ref[...], turns_ref[...], approx)
-    rotated = x.astype(F32) * cos + _swapped(x, swap_ref[...]) * signed_sin
-    out_ref[...] = rotated.astype(out_ref.dtype)
+    out_ref[...] = (x * cos + swapped * signed_sin).astype(out_ref.dtype)
 
 
-def _backward_kernel(dy_ref, x_ref, mu_ref, turns_ref, theta_ref, swap_ref, dx_ref, dmu_ref, *,
-                     approx):
+def _backward_kernel(dy_ref, x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx,
+                     shifted):
+    del shifted  # refs tell
+    *shift_refs, dx_ref, dmu_ref = refs
     swap = swap_ref[...]
     cos, signed_sin, first = _angles(mu_ref[...], turns_ref[...], approx)
-    dy, x = dy_ref[...], x_ref[...]  # [bt, D]
+    dy = dy_ref[...]  # [bt, D]
     dx_ref[...] = (dy.astype(F32) * cos - _swapped(dy, swap) * signed_sin).astype(dx_ref.dtype)
     # d x'/d angle: (-s x_2j - c x_2j+1, c x_2j - s x_2j+1) = sigma (c swap(x) - sin~ x)
-    along = _swapped(x, swap) * cos - x.astype(F32) * signed_sin
+    x, swapped = _rows(x_ref, swap, shift_refs)
+    along = swapped * cos - x * signed_sin
     along = jnp.where(first, -along, along)
     dmu_ref[...] = jnp.sum(dy.astype(F32) * along * theta_ref[...], axis=1)

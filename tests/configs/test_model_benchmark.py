@@ -44,6 +44,9 @@ def test_train_decode_and_forward_cases(tmp_path):
         4 * 64 / train["steady_step_ms"] * 1e3, rel=0.01)
     # two of three steps' times against three: no more than 3/2 the pipelined mean
     assert 0 < train["steady_step_ms"] <= 1.5 * train["pipelined_step_ms"]
+    # each back-to-back call's return time, none longer than the whole pass
+    assert len(train["dispatch_ms"]) == 3
+    assert 0 < max(train["dispatch_ms"]) <= 3 * train["pipelined_step_ms"]
     assert decode["batch"] == 2 and decode["tokens_shape"] == [2, 68]
     # tokens/s is batch x new tokens over the decode time: (generate - prefill) / new tokens
     decode_s = decode["ms_per_token"] * 4 / 1e3

@@ -1,8 +1,9 @@
 """sympow.layers.rotary_kernel: the learned-rotary kernels (Pallas interpreter here) against
-their specification (`sympow.rotary.apply_rotary`), forward and both cotangents, in float32
-and bf16, with grouped heads, rows not a multiple of the block and mu large enough that the
-angles need their reduction; the refusals; the Triton lowering for CUDA (with the GPU's
-approximate cos and sin); and `Rotary`'s choice between the kernels and XLA."""
+their specification (`sympow.rotary.apply_rotary`), forward and every cotangent, in float32
+and bf16, with and without a bias added as the rows load, with grouped heads, rows not a
+multiple of the block and mu large enough that the angles need their reduction; the
+refusals; the Triton lowering for CUDA (with the GPU's approximate cos and sin); and
+`Rotary`'s choice between the kernels and XLA, with the attention layer's biases."""
 
 from __future__ import annotations
 
@@ -29,27 +30,44 @@ def _inputs(rng, b, t, h, hk, d, dtype):
     return x, jnp.asarray(mu, jnp.float32), dy
 
 
-def _forward_and_cotangents(fn, x, mu, dy, **kw):
-    y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=BASE, **kw), x, mu)
+def _forward_and_cotangents(fn, x, mu, dy, bias=None, **kw):
+    if bias is None:
+        y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=BASE, **kw), x, mu)
+    else:
+        y, vjp = jax.vjp(lambda x, mu, bias: fn(x, mu, base=BASE, bias=bias, **kw), x, mu,
+                         bias)
     return (y, *vjp(dy))
 
 
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(3, 45, 4, 2, 16), (1, 70, 3, 3, 32), (2, 16, 2, 1, 64)])
-def test_matches_the_specification(rng, dtype, shape, layout):
-    """x', dx and dmu against autodiff of apply_rotary, x' written in either layout; 45 and
-    70 tokens are not multiples of the 16-row blocks used here, grouped heads sum their mu
-    cotangents."""
+def test_matches_the_specification(rng, dtype, shape, layout, biased):
+    """x', dx, dmu (and dbias) against autodiff of apply_rotary of x (+ bias), x' written in
+    either layout; 45 and 70 tokens are not multiples of the 16-row blocks used here (the
+    padded rows must add nothing to dbias), grouped heads sum their mu cotangents."""
     x, mu, dy = _inputs(rng, *shape, dtype)
-    got = _forward_and_cotangents(rotate, x, mu, dy, block_rows=16, layout=layout)
-    want = _forward_and_cotangents(rotate_reference, x, mu, dy)
+    bias = jnp.asarray(rng.standard_normal(shape[2:3] + shape[4:]), jnp.float32) if biased \
+        else None
+    got = _forward_and_cotangents(rotate, x, mu, dy, bias, block_rows=16, layout=layout)
+    want = _forward_and_cotangents(rotate_reference, x, mu, dy, bias)
     assert got[0].dtype == got[1].dtype == jnp.dtype(dtype) and got[2].dtype == jnp.float32
     assert got[2].shape == mu.shape
     # The same float32 arithmetic up to the order of sums: bf16 outputs round alike.
     tols = (1e-6, 1e-6, 1e-5) if dtype == "float32" else (2e-3, 2e-3, 1e-5)
-    for name, a, b, tol in zip(("y", "dx", "dmu"), got, want, tols, strict=True):
+    for name, a, b, tol in zip(("y", "dx", "dmu"), got[:3], want[:3], tols, strict=True):
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+    if biased:
+        assert got[3].shape == bias.shape and got[3].dtype == jnp.float32
+        assert rel_err(got[0], rotate(x, mu, base=BASE, block_rows=16)) > 0.1  # it was added
+        # dbias is the sum over rows of dx as returned (in x's dtype) ...
+        assert rel_err(got[3], jnp.sum(got[1].astype(jnp.float32), axis=(0, 1))) <= 1e-6
+        # ... so against the specification's unrounded sum it errs at most by dx's rounding:
+        # half an ulp, <= 2^-8 |dx| a term in bf16 (float32: 2^-24, and the sums' order)
+        unit = 2.0 ** -8 if dtype == "bfloat16" else 2e-6
+        bound = unit * jnp.sum(jnp.abs(want[1].astype(jnp.float32)), axis=(0, 1))
+        assert np.all(np.abs(np.asarray(got[3] - want[3])) <= bound)
 
 
 def test_rotates_each_query_head_by_its_kv_heads_mu(rng):
@@ -84,6 +102,13 @@ def test_refuses_what_it_cannot_take(x_shape, mu_shape, dtype, match):
         rotate(x, mu, base=BASE)
 
 
+def test_refuses_a_bias_of_the_wrong_shape_or_dtype():
+    x, mu = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2))
+    for bias in (jnp.zeros((2, 8)), jnp.zeros((16,)), jnp.zeros((2, 16), jnp.int32)):
+        with pytest.raises(ValueError, match=r"bias must be a float \[H, D\] = \[2, 16\]"):
+            rotate(x, mu, base=BASE, bias=bias)
+
+
 def test_refuses_a_block_that_is_not_a_power_of_two_and_an_unknown_layout():
     x, mu = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2))
     with pytest.raises(ValueError, match="block_rows must be a power of two"):
@@ -111,6 +136,23 @@ def test_the_heads_layout_writes_and_reads_head_major_arrays():
         lambda x, mu: jax.vjp(lambda x: forward(x, mu, "heads"), x)[1](x), x, mu)
     assert tuple(calls[-1].invars[0].aval.shape) == (2, 3, 32, 16)  # dy
     assert tuple(calls[-1].outvars[0].aval.shape) == (2, 32, 3, 16)  # dx
+
+
+def test_a_bias_enters_both_kernels_as_two_rows_per_head():
+    """With a bias both kernels read b and swap(b) [H, D] (one row per program: no pass of
+    XLA's adds it to x) and write what they write without one; dbias is XLA's sum of dx."""
+    x, mu, bias = jnp.zeros((2, 20, 3, 16)), jnp.zeros((2, 20, 3)), jnp.zeros((3, 16))
+
+    def grads(x, mu, bias):
+        return jax.grad(lambda x, bias: jnp.sum(
+            rotate(x, mu, base=BASE, bias=bias, block_rows=16)), argnums=(0, 1))(x, bias)
+
+    forward, backward = pallas_calls(grads, x, mu, bias)
+    for call in (forward, backward):
+        assert [tuple(v.aval.shape) for v in call.invars[-2:]] == [(3, 16), (3, 16)]
+    assert [tuple(v.aval.shape) for v in backward.outvars] == [(2, 32, 3, 16), (2, 32, 3)]
+    assert _kernel_outputs(lambda x, mu: rotate(x, mu, base=BASE, block_rows=16), x, mu) == [
+        ((2, 32, 3, 16),)]  # without a bias, the kernels of before
 
 
 def test_lowers_for_cuda_through_triton():
@@ -178,6 +220,49 @@ def test_chosen_algorithm_follows_the_cost_model():
 
     assert chosen_algorithm(256, 64, 64, 2, impl="xla") == "attention"
     assert chosen_algorithm(65536, 64, 64, 2, impl="xla") == "chunked"
+
+
+def _biased_layer(dtype=jnp.float32):
+    """A conformal SympowAttention layer with nonzero q and k biases and W_beta."""
+    from sympow.layers.attention import SympowAttention
+
+    layer = SympowAttention(32, 2, gating=True, rotary="learned", impl="xla", dtype=dtype,
+                            rngs=nnx.Rngs(0))
+    for seed, linear in enumerate((layer.q_proj, layer.k_proj)):
+        linear.bias[...] = jnp.asarray(
+            np.random.default_rng(seed).standard_normal(linear.bias.shape), jnp.float32)
+    layer.rotary.beta_proj.kernel[...] = jnp.full(layer.rotary.beta_proj.kernel.shape, 0.1)
+    return layer
+
+
+def test_the_attention_layer_gives_its_q_and_k_biases_to_the_kernels(rng):
+    """Learned rotary: SympowAttention's q and k products leave without their biases and
+    the rotary kernels add them (impl='pallas') or XLA does (impl='xla'): the layer's output
+    and every gradient, the biases' included, agree."""
+    x = jnp.asarray(rng.standard_normal((2, 40, 32)), jnp.float32)
+    results = []
+    for impl in ("pallas", "xla"):
+        layer = _biased_layer()
+        layer.rotary.impl = impl
+        results.append(nnx.value_and_grad(lambda layer, x: jnp.sum(jnp.sin(layer(x))))(
+            layer, x))
+    (value_p, grads_p), (value_x, grads_x) = results
+    assert abs(float(value_p - value_x)) <= 1e-5 * abs(float(value_x))
+    assert float(jnp.abs(grads_p.q_proj.bias[...]).max()) > 0
+    for a, c in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_x), strict=True):
+        assert rel_err(a, c) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_xla_path_adds_the_biases_as_the_projections_did(rng, dtype):
+    """Off the kernels, `project` (q and k products without bias, the biases added by
+    Rotary) gives the bits of the projections' own outputs (`nnx.Linear` with its bias)."""
+    layer = _biased_layer(dtype)
+    x = jnp.asarray(rng.standard_normal((2, 40, 32)), jnp.float32)
+    got = layer.project(x)
+    want = layer.heads([linear(x) for linear in layer.projections()])
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_the_layer_picks_xla_off_a_gpu_and_for_a_few_tokens(monkeypatch):
