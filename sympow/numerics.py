@@ -36,6 +36,20 @@ def round_to(x: Array, dtype) -> Array:
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def zeros_of_call(shape, dtype, like: Array) -> Array:
+    """Zeros of `shape` and `dtype` that XLA writes once per call site: exactly 0 (+-0),
+    computed from the first element of `like` (any array of the call).
+
+    A kernel that accumulates into a zero-filled buffer it takes as its output (input-output
+    aliased) changes that buffer in place. XLA merges equal `jnp.zeros` of the same shape
+    into one constant, so with several such calls (GPT-2's twelve layers) it keeps one zero
+    array and copies it before each call: a read and a write of the whole buffer where a
+    fill writes it only. A value that depends on the call's data cannot be merged."""
+    first = like.reshape(-1)[0].astype(dtype)
+    zero = jnp.where(jnp.isfinite(first), first * 0, 0)  # 0 for any value of `first`
+    return jnp.broadcast_to(zero, shape)
+
+
 def safe_divide(num: Array, den: Array) -> Array:
     """num / den broadcast over the last axis of num, and 0 where den == 0 (no NaN grads).
 

@@ -1,4 +1,5 @@
-"""sympow.numerics: the compute dtype rule and the division that defines empty rows as 0."""
+"""sympow.numerics: the compute dtype rule, the division that defines empty rows as 0, the
+rounding XLA keeps and zeros XLA writes per call."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sympow.numerics import compute_dtype, round_to, safe_divide
+from sympow.numerics import compute_dtype, round_to, safe_divide, zeros_of_call
 
 
 def test_compute_dtype_is_float32_or_wider(x64):
@@ -45,3 +46,25 @@ def test_round_to_is_an_op_xla_keeps():
     round_to must be one reduce_precision instead."""
     jaxpr = str(jax.make_jaxpr(lambda x: round_to(x, jnp.bfloat16))(jnp.ones(4)))
     assert "reduce_precision" in jaxpr and "convert_element_type" not in jaxpr
+
+
+def test_zeros_of_call_are_zeros_whatever_the_first_element():
+    for first in (1.5, -3.0, 0.0, np.inf, -np.inf, np.nan):
+        like = jnp.asarray([first, 2.0], jnp.bfloat16)
+        zeros = zeros_of_call((3, 4), jnp.float32, like)
+        assert zeros.shape == (3, 4) and zeros.dtype == jnp.float32
+        np.testing.assert_array_equal(zeros, np.zeros((3, 4)))
+
+
+def test_zeros_of_call_are_written_per_call_not_copied_from_one_constant():
+    """Two jnp.zeros of one shape compile (XLA CPU, as on GPU) to one broadcast and a copy
+    of it; zeros_of_call of two calls' arrays to two fills."""
+    def roots(fn):
+        text = jax.jit(fn).lower(jnp.ones(3), jnp.ones(3)).compile().as_text()
+        return next(line for line in text.splitlines() if "ROOT" in line and "tuple(" in line)
+
+    shared = roots(lambda a, b: (jnp.zeros((64, 8)), jnp.zeros((64, 8))))
+    assert "copy" in shared
+    own = roots(lambda a, b: (zeros_of_call((64, 8), jnp.float32, a),
+                              zeros_of_call((64, 8), jnp.float32, b)))
+    assert "copy" not in own and own.count("fusion") == 2

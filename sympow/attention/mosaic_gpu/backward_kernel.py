@@ -76,6 +76,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     zeros,
 )
 from sympow.attention.mosaic_gpu.weights import capped_exp2, power_terms
+from sympow.numerics import zeros_of_call
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -265,7 +266,8 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
         raise ValueError(f"stages must be {COMPUTE_WGS} (dk and dv leave through the ring's "
                          f"slots, one per compute warpgroup); got {stages}")
     bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(4))
-    dq_off = jax.new_ref(jnp.zeros(q.shape, F32))  # the TMA reductions' target
+    # the TMA reductions' target: zeros of this call (not a copy of a shared constant)
+    dq_off = jax.new_ref(zeros_of_call(q.shape, F32, like=q))
     dk, dv, dtail, dq_diag, diagonal, pairs = launch(
         lambda *refs: _backward_kernel(*refs, p=p, groups=groups, tiles=tiles),
         name="sympow_attention_bwd",

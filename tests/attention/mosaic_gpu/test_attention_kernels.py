@@ -85,6 +85,27 @@ def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, 
             f"{tensor((b, hk, n, blocks_, columns), 'f32')}") in text
 
 
+def test_the_backward_reduces_into_zeros_computed_from_its_own_queries():
+    """The dQ target is `numerics.zeros_of_call` of q: XLA merged twelve layers' jnp.zeros
+    into one constant and copied it before each kernel (docs/kernels.md)."""
+    shapes = [*operands(1, 2, 2, 1, 256, 64, 64), ((1, 2, 1, 256), jnp.float32),
+              ((1, 2, 1, 256), jnp.float32), ((1, 2, 1, 256, 64), jnp.bfloat16),
+              ((1, 2, 1, 256), jnp.float32)]
+    jaxpr = jax.make_jaxpr(lambda *x: backward_kernel.attention_bwd(*x, p=2))(
+        *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]).jaxpr
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    target = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "new_ref").invars[0]
+    assert producer[target].primitive.name == "broadcast_in_dim"
+    ancestors, todo = set(), [target]
+    while todo:
+        eqn = producer.get(todo.pop())
+        inputs = [] if eqn is None else [v for v in eqn.invars
+                                         if isinstance(v, jax.extend.core.Var)]
+        todo += [v for v in inputs if v not in ancestors]
+        ancestors.update(inputs)
+    assert jaxpr.invars[0] in ancestors  # q
+
+
 def test_a_wide_array_is_in_one_of_two_layouts():
     assert blocks.in_tokens(jnp.zeros((1, 256, 2, 64))) and blocks.heads_of(
         jnp.zeros((1, 256, 2, 64))) == 2
