@@ -11,10 +11,12 @@ their fast path):
 
     forward:  x' = x cos + swap(x) sin~              # swap: pairs exchanged, sin~ = (-s, s)
     backward: dx = dy cos - swap(dy) sin~,  dmu = sum over lanes of theta dy u,
-              u = d x'/d angle = sigma (cos swap(x) - sin~ x),  sigma = (-1, +1) per pair
+              u = d x'/d angle = sigma (cos swap(x) - sin~ x),  sigma = (-1, +1) per pair,
+              summed as -sum theta sigma x (cos swap(dy) + sin~ dy): within a pair
+              dy . sigma swap(x) = -sigma swap(dy) . x, so the backward's one swap is dy's
 
-An optional bias b [H, D] is added as the rows load (x + b in place of x above; swap(x + b)
-= swap(x) + swap(b), the second read pre-swapped): the projections' bias of q and k, which
+An optional bias b [H, D] is added as the rows load (x + b in place of x above; the forward
+reads swap(b) beside it, swap(x + b) = swap(x) + swap(b)): the projections' bias of q and k, which
 XLA otherwise adds in a pass of its own before a kernel it cannot fuse into (1.68 ms of a
 GPT-2 small step at 65,536 tokens on an H100). Its cotangent, the sum of dx over the rows,
 is XLA's reduction of dx, as autodiff of the add had it: summed in the backward kernel (a
@@ -212,11 +214,14 @@ def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None, 
     swap = jnp.asarray(_swap(d), x.dtype)  # 0/1: exact in either dtype
     in_specs = [in_tokens, per_row, whole(turns), whole(theta), whole(swap)]
     args = [pad(x), pad(mu), turns, theta, swap]
-    if bias is not None:  # b and swap(b), one row per head of x
+    if bias is not None:  # b (and for the forward swap(b)), one row per head of x
         per_head = pl.BlockSpec((None, d), lambda j, i, n: (n, 0))
         shift = bias.astype(F32)
-        in_specs += [per_head, per_head]
-        args += [shift, shift.reshape(h, d // 2, 2)[..., ::-1].reshape(h, d)]
+        in_specs.append(per_head)
+        args.append(shift)
+        if direction == "forward":
+            in_specs.append(per_head)
+            args.append(shift.reshape(h, d // 2, 2)[..., ::-1].reshape(h, d))
     tokens_shape = jax.ShapeDtypeStruct((b, padded, h, d), x.dtype)
     heads_shape = jax.ShapeDtypeStruct((b, h, padded, d), x.dtype)
     if direction == "forward":
@@ -271,34 +276,31 @@ def _swapped(x, swap):
     return jax.lax.dot(x, swap, precision=precision, preferred_element_type=F32)
 
 
-def _rows(x_ref, swap, shift_refs):
-    """(x, swap(x)) [bt, D] float32 of the block, the bias and its swap added if given."""
-    x = x_ref[...]
-    x32, swapped = x.astype(F32), _swapped(x, swap)
-    if shift_refs:
-        bias_ref, swapped_bias_ref = shift_refs
-        x32, swapped = x32 + bias_ref[...][None], swapped + swapped_bias_ref[...][None]
-    return x32, swapped
-
-
 def _forward_kernel(x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx, shifted):
-    del theta_ref, shifted  # the backward's; refs tell
-    *shift_refs, out_ref = refs
-    x, swapped = _rows(x_ref, swap_ref[...], shift_refs)  # [bt, D] each
+    del theta_ref  # the backward's
+    x = x_ref[...]  # [bt, D]
+    x32, swapped = x.astype(F32), _swapped(x, swap_ref[...])
+    if shifted:  # x + b and swap(x) + swap(b)
+        bias_ref, swapped_bias_ref, out_ref = refs
+        x32, swapped = x32 + bias_ref[...][None], swapped + swapped_bias_ref[...][None]
+    else:
+        (out_ref,) = refs
     cos, signed_sin, _ = _angles(mu_ref[...], turns_ref[...], approx)
-    out_ref[...] = (x * cos + swapped * signed_sin).astype(out_ref.dtype)
+    out_ref[...] = (x32 * cos + swapped * signed_sin).astype(out_ref.dtype)
 
 
 def _backward_kernel(dy_ref, x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx,
                      shifted):
-    del shifted  # refs tell
-    *shift_refs, dx_ref, dmu_ref = refs
-    swap = swap_ref[...]
+    *bias_ref, dx_ref, dmu_ref = refs  # the bias if shifted
     cos, signed_sin, first = _angles(mu_ref[...], turns_ref[...], approx)
     dy = dy_ref[...]  # [bt, D]
-    dx_ref[...] = (dy.astype(F32) * cos - _swapped(dy, swap) * signed_sin).astype(dx_ref.dtype)
-    # d x'/d angle: (-s x_2j - c x_2j+1, c x_2j - s x_2j+1) = sigma (c swap(x) - sin~ x)
-    x, swapped = _rows(x_ref, swap, shift_refs)
-    along = swapped * cos - x * signed_sin
-    along = jnp.where(first, -along, along)
-    dmu_ref[...] = jnp.sum(dy.astype(F32) * along * theta_ref[...], axis=1)
+    dy32, swapped_dy = dy.astype(F32), _swapped(dy, swap_ref[...])
+    dx_ref[...] = (dy32 * cos - swapped_dy * signed_sin).astype(dx_ref.dtype)
+    x = x_ref[...].astype(F32)
+    if shifted:
+        x = x + bias_ref[0][...][None]
+    # dmu = sum theta dy . d x'/d angle with d x'/d angle = sigma (cos swap(x) - sin~ x),
+    # sigma = (-1, +1) on a pair's lanes; dy . sigma swap(x) = -sigma swap(dy) . x per pair
+    sigma_x = jnp.where(first, -x, x)
+    along = cos * swapped_dy + signed_sin * dy32
+    dmu_ref[...] = -jnp.sum(sigma_x * along * theta_ref[...], axis=1)

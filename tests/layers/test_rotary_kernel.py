@@ -138,9 +138,10 @@ def test_the_heads_layout_writes_and_reads_head_major_arrays():
     assert tuple(calls[-1].outvars[0].aval.shape) == (2, 32, 3, 16)  # dx
 
 
-def test_a_bias_enters_both_kernels_as_two_rows_per_head():
-    """With a bias both kernels read b and swap(b) [H, D] (one row per program: no pass of
-    XLA's adds it to x) and write what they write without one; dbias is XLA's sum of dx."""
+def test_a_bias_enters_the_kernels_as_rows_per_head():
+    """With a bias the forward reads b and swap(b) [H, D] and the backward b (one row per
+    program: no pass of XLA's adds it to x); both write what they write without one (dbias
+    is XLA's sum of dx), and the backward's only swap product is dy's."""
     x, mu, bias = jnp.zeros((2, 20, 3, 16)), jnp.zeros((2, 20, 3)), jnp.zeros((3, 16))
 
     def grads(x, mu, bias):
@@ -148,9 +149,11 @@ def test_a_bias_enters_both_kernels_as_two_rows_per_head():
             rotate(x, mu, base=BASE, bias=bias, block_rows=16)), argnums=(0, 1))(x, bias)
 
     forward, backward = pallas_calls(grads, x, mu, bias)
-    for call in (forward, backward):
-        assert [tuple(v.aval.shape) for v in call.invars[-2:]] == [(3, 16), (3, 16)]
+    assert [tuple(v.aval.shape) for v in forward.invars[-2:]] == [(3, 16), (3, 16)]
+    assert [tuple(v.aval.shape) for v in backward.invars[-2:]] == [(16, 16), (3, 16)]
     assert [tuple(v.aval.shape) for v in backward.outvars] == [(2, 32, 3, 16), (2, 32, 3)]
+    backward_body = str(backward.params["jaxpr"])
+    assert backward_body.count("dot_general") == 1
     assert _kernel_outputs(lambda x, mu: rotate(x, mu, base=BASE, block_rows=16), x, mu) == [
         ((2, 32, 3, 16),)]  # without a bias, the kernels of before
 
