@@ -129,53 +129,30 @@ def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: floa
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     setup = (float(base), bool(interpret), int(block_rows), layout == "heads")
-    if bias is None:
-        return _rotate(setup, x, mu.astype(F32))
-    return _rotate_shifted(setup, x, mu.astype(F32), bias)
+    return _rotate(setup, x, mu.astype(F32), bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rotate(setup, x, mu):
-    return _call(setup, "forward", x, mu)[0]
-
-
-def _rotate_fwd(setup, x, mu):
-    return _rotate(setup, x, mu), (x, mu)
-
-
-def _rotate_bwd(setup, res, dy):
-    x, mu = res
-    dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype))
-    return dx, _kv_head_sums(dmu, mu)
-
-
-_rotate.defvjp(_rotate_fwd, _rotate_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rotate_shifted(setup, x, mu, bias):
+def _rotate(setup, x, mu, bias):
     return _call(setup, "forward", x, mu, bias=bias)[0]
 
 
-def _rotate_shifted_fwd(setup, x, mu, bias):
-    return _rotate_shifted(setup, x, mu, bias), (x, mu, bias)
+def _rotate_fwd(setup, x, mu, bias):
+    return _rotate(setup, x, mu, bias), (x, mu, bias)
 
 
-def _rotate_shifted_bwd(setup, res, dy):
+def _rotate_bwd(setup, res, dy):
     x, mu, bias = res
     dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype), bias=bias)
+    b, t, h, _ = x.shape
+    dmu = dmu.reshape(b, t, mu.shape[2], -1).sum(axis=-1)  # summed over a kv head's group
+    if bias is None:
+        return dx, dmu, None
     dbias = jnp.sum(dx.astype(F32), axis=(0, 1))  # [H, D]: d(x + b) summed over rows
-    return dx, _kv_head_sums(dmu, mu), dbias.astype(bias.dtype)
+    return dx, dmu, dbias.astype(bias.dtype)
 
 
-_rotate_shifted.defvjp(_rotate_shifted_fwd, _rotate_shifted_bwd)
-
-
-def _kv_head_sums(dmu, mu):
-    """dmu [B, T, H] per head of x summed over each kv head's group: [B, T, Hk]."""
-    b, t, h = dmu.shape
-    hk = mu.shape[2]
-    return dmu.reshape(b, t, hk, h // hk).sum(axis=-1)
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def _rates(d: int, base: float) -> tuple[Array, Array]:
