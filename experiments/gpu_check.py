@@ -470,5 +470,6 @@ def selected_checks(testing, seed):
         checks = [check for check in checks if _CASES.value in check[1]]
     return checks
 
+
 if __name__ == "__main__":
     app.run(main)
