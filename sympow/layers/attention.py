@@ -49,6 +49,7 @@ from sympow.attention import (
     sympow_attention,
 )
 from sympow.layers import rotary_kernel
+from sympow.layers.linear import product, products_side_by_side
 from sympow.numerics import compute_dtype
 from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
@@ -112,13 +113,6 @@ def _check_valid(valid: Bool[Array, "B T"] | None, t: int) -> None:
 
 def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
-
-
-def _product(linear: nnx.Linear, x: Float[Array, "... C"]) -> Float[Array, "... N"]:
-    """`linear(x)` without its bias: the same promotion and product as `nnx.Linear`."""
-    x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
-    return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                              precision=linear.precision)
 
 
 def _check_layout(d_model: int, n_head: int, n_kv_head: int, rotary: str) -> int:
@@ -288,11 +282,13 @@ class _Attention(nnx.Module):
         leave without their biases, which `Rotary.rotate` adds (inside its kernels where
         they run: XLA cannot fuse the add into a kernel, so it made a pass of its own)."""
         linears = self.projections()
+        # the gate's and the rotary's products in one (float32, [C, 2 Hk] side by side)
+        gate_and_beta = products_side_by_side(linears[3:], x) if linears[3:] else []
         if self.rotary.kind != "learned":
-            return self.heads([linear(x) for linear in linears], position=position, mu0=mu0,
-                              rotary_layout=rotary_layout)
-        outputs = [_product(linear, x) for linear in linears[:2]]
-        outputs += [linear(x) for linear in linears[2:]]
+            return self.heads([linear(x) for linear in linears[:3]] + gate_and_beta,
+                              position=position, mu0=mu0, rotary_layout=rotary_layout)
+        outputs = [product(linear, x) for linear in linears[:2]]
+        outputs += [linears[2](x)] + gate_and_beta
         biases = tuple(linear.bias[...].reshape(-1, self.head_dim) for linear in linears[:2])
         return self.heads(outputs, position=position, mu0=mu0, rotary_layout=rotary_layout,
                           biases=biases)

@@ -28,6 +28,7 @@ from sympow.layers.attention import (
     SympowAttention,
     check_gate_bias,
 )
+from sympow.layers.linear import bias_gelu, product
 from sympow.numerics import compute_dtype
 
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report",
@@ -167,7 +168,8 @@ class Block(nnx.Module):
             out_std), dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
     def mlp(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        return self.proj(jax.nn.gelu(self.fc(x)))  # GPT-2's tanh-approximate GELU
+        # GPT-2's tanh-approximate GELU, recomputed from the product in the backward
+        return self.proj(bias_gelu(product(self.fc, x), self.fc.bias[...]))
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         x = x + self.attn(self.ln1(x))

@@ -1,0 +1,70 @@
+"""The pieces of `nnx.Linear` that the layers split apart: its product without the bias, and
+the MLP's bias + GELU recomputed in the backward.
+
+A layer that adds a Linear's bias somewhere else than right after the product (inside a
+kernel, or inside the GELU's fusion) takes the product from `product` and the bias from the
+module; the numbers are those of `linear(x)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+__all__ = ["bias_gelu", "product", "products_side_by_side"]
+
+
+def product(linear: nnx.Linear, x: Float[Array, "... C"]) -> Float[Array, "... N"]:
+    """`linear(x)` without its bias: the same promotion and product as `nnx.Linear`."""
+    x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
+    return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                              precision=linear.precision)
+
+
+def products_side_by_side(linears: Sequence[nnx.Linear], x: Float[Array, "... C"]
+                          ) -> list[Float[Array, "... N_i"]]:
+    """`[linear(x) for linear in linears]` from one product of x with their kernels side by
+    side ([C, sum N_i]), each output then sliced out and given its bias.
+
+    The backward then makes x's cotangent from these linears with one product, not one per
+    linear plus a pass that sums them. The linears must compute alike (dtype, precision and
+    dot_general; ValueError otherwise), so that x is promoted once.
+    """
+    first = linears[0]
+    for linear in linears[1:]:
+        if (linear.dtype, linear.precision, linear.dot_general) != (
+                first.dtype, first.precision, first.dot_general):
+            raise ValueError("products_side_by_side needs linears of one dtype, precision "
+                             f"and dot_general, got {[(m.dtype, m.precision) for m in linears]}")
+    if len(linears) == 1:
+        return [first(x)]
+    kernel = jnp.concatenate([linear.kernel[...] for linear in linears], axis=1)  # [C, sum N]
+    x, kernel = first.promote_dtype((x, kernel), dtype=first.dtype)
+    y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                          precision=first.precision)  # [..., sum N]
+    outputs, start = [], 0
+    for linear in linears:
+        width = linear.out_features
+        out = y[..., start:start + width]
+        if linear.bias is not None:
+            out = out + linear.bias[...].astype(out.dtype)
+        outputs.append(out)
+        start += width
+    return outputs
+
+
+@jax.checkpoint
+def bias_gelu(h: Float[Array, "... N"], bias: Float[Array, " N"]) -> Float[Array, "... N"]:
+    """GPT-2's tanh-approximate GELU of h + bias (bias cast to h's dtype, as `nnx.Linear`
+    adds it), recomputed in the backward from h and the bias.
+
+    Without the recompute XLA's forward fusion writes a second [..., N] array beside the
+    output for the backward to read (the MLP's hidden width: 4 C a token); with it the
+    forward writes the output alone and the backward reads h, which stays alive anyway as
+    the product's output (docs/kernels.md, "The MLP's GELU recomputed").
+    """
+    return jax.nn.gelu(h + bias.astype(h.dtype))
