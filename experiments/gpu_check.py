@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from gpu_check_layers import NORM_CASES, ROTARY_CASES, check_norm, check_rotary  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "a few small cases only")
 _MAX_T = flags.DEFINE_integer("max_t", 16384, "skip cases longer than this")
@@ -40,7 +39,7 @@ _SEED = flags.DEFINE_list("seed", None, "the inputs' seeds (default: the clock);
                           "seeds run every selected check once per seed")
 _ONLY = flags.DEFINE_enum("only", "all",
                           ["all", "random", "edge", "precision", "decode", "primitives",
-                           "rotary", "norm"],
+                           "rotary"],
                           "random: the CASES; edge: T=1 and the adversarial inputs; "
                           "precision: fp32 against float64 on the gate histories of "
                           "testing.PRECISION_KINDS; decode: the fused decoding step "
@@ -50,9 +49,7 @@ _ONLY = flags.DEFINE_enum("only", "all",
                           "the Hopper attention kernels (forward, backward) against the "
                           "portable ones and its state kernels against their definitions; "
                           "rotary: the learned-rotary kernels (sympow.layers.rotary_kernel) "
-                          "against their specification (ROTARY_CASES); norm: the residual "
-                          "add + LayerNorm kernels (sympow.layers.norm_kernel) against "
-                          "theirs (NORM_CASES)")
+                          "against their specification (ROTARY_CASES)")
 
 BOTH = ("chunked", "attention")
 # (case kwargs, dtypes, algorithms); Case defaults: p=2, d=e=16, hq=hk=2, b=2, chunk=16, gating.
@@ -92,6 +89,10 @@ LINEAR_CASES = [(1, 768, 2336, True, False, False), (1, 768, 768, False, False, 
                 (5, 192, 48, True, False, True)]
 # --only=decode, GPT-2 small (2 of its layers) decoding 8 tokens after a 40-token prompt with
 # the fused step against the blocks' step: (variant, batch).
+# --only=rotary: (b, t, h, hk, d) of rotary_kernel.rotate, both dtypes: GPT-2 small's queries
+# at 65,536 tokens, grouped heads with rows not a multiple of the block, the widest heads.
+ROTARY_CASES = [(1, 65536, 12, 12, 64), (2, 1000, 6, 2, 64), (3, 45, 4, 4, 128),
+                (1, 300, 2, 1, 16)]
 MODEL_CASES = [("conformal", 1), ("conformal", 5), ("softmax", 1), ("sympow", 16)]
 # --only=primitives: (b, hq, hk, n, c, d, e, p, gates) of the Hopper attention forward against
 # the portable one; gates 'ordinary', 'strong' (-1e4 every 97 tokens, 0 elsewhere), 'full'
@@ -158,6 +159,56 @@ def check_linear(rng, dtype: str, rows, k, n, norm, gelu, residual):
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     tol = 1e-5 if dtype == "float32" else 2e-3  # bf16: the normalized x rounds to bf16
     return [("y", err, f"tol {tol:.0e}", err < tol)]
+
+
+def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
+    """Rows (output, err, note, ok) of the learned-rotary kernels against their
+    specification: x' and the cotangents of x and mu, relative L2 errors, in both layouts;
+    then with a bias [H, D] added as the rows load (outputs ending in _b; its cotangent
+    dbias). mu grows as the layers' does (beta in (0, 2) summed over the tokens, up to ~1e5
+    at 65,536)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sympow.layers import rotary_kernel
+
+    x = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    mu = jnp.asarray(np.cumsum(rng.uniform(0, 2, (b, t, hk)), axis=1), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    bias = jnp.asarray(rng.standard_normal((h, d)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(fn, x, mu, dy, bias):
+        if bias is None:
+            y, vjp = jax.vjp(lambda x, mu: fn(x, mu, base=65536.0), x, mu)
+        else:
+            y, vjp = jax.vjp(lambda x, mu, bias: fn(x, mu, base=65536.0, bias=bias), x, mu,
+                             bias)
+        return (y, *vjp(dy))
+
+    # bf16 outputs: the same float32 rotation rounded once (cos and sin may differ in an
+    # ulp); float32 and every mu cotangent: float32 sums in another order. dbias sums the
+    # dx returned (in x's dtype): its error is at most that rounding, <= 2^-8 |dx| a term
+    # in bf16, so its row reports max |error| / (2^-8 sum |dx|) (float32: 1e-5 for 2^-8).
+    tols = (4e-3, 4e-3, 1e-4, 1.0) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4, 1.0)
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 1e-5
+    rows = []
+    for shift in (None, bias):
+        want = run(rotary_kernel.rotate_reference, x, mu, dy, shift)
+        for layout in rotary_kernel.LAYOUTS:  # outputs of the 'heads' layout end in _h
+            got = run(functools.partial(rotary_kernel.rotate, layout=layout), x, mu, dy, shift)
+            suffix = "_h" * (layout == "heads") + "_b" * (shift is not None)
+            names = ("y", "dx", "dmu", "dbias")[:len(got)]
+            for name, a, c, tol in zip(names, got, want, tols[:len(got)], strict=True):
+                a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+                err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+                if name == "dbias":
+                    bound = unit * np.abs(np.asarray(want[1], np.float64)).sum(axis=(0, 1))
+                    err = float(np.max(np.abs(a - c) / bound))
+                rows.append((name + suffix, err, f"tol {tol:g}",
+                             bool(np.all(np.isfinite(a))) and err <= tol))
+    return rows
 
 
 def check_fused_model(rng, dtype: str, variant: str, batch: int):
@@ -415,10 +466,6 @@ def selected_checks(testing, seed):
         checks = [(("layers", "rotary_kernel"), "b{}_t{}_h{}x{}_d{}".format(*case), dtype,
                    "rotary", functools.partial(check_rotary, rng(case, dtype), dtype, *case))
                   for case in ROTARY_CASES for dtype in ("float32", "bfloat16")]
-    if _ONLY.value == "norm":
-        checks = [(("layers", "norm_kernel"), "n{}_c{}".format(*case), dtype, "norm",
-                   functools.partial(check_norm, rng(case, dtype), dtype, *case))
-                  for case in NORM_CASES for dtype in ("float32", "bfloat16")]
     if _CASES.value:
         checks = [check for check in checks if _CASES.value in check[1]]
     return checks

@@ -323,17 +323,8 @@ class _Attention(nnx.Module):
         y, cache = self.decode_heads(q, k, v, log_g, mu, cache, position)
         return self.merge_heads(y), cache
 
-    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        return self.merge_heads(self.attend(x))
-
     def merge_heads(self, y: Float[Array, "B T Hq E"]) -> Float[Array, "B T C"]:
         return self.out_proj(y.reshape(*y.shape[:2], -1))
-
-    def merge_heads_product(self, y: Float[Array, "B T Hq E"]
-                            ) -> tuple[Float[Array, "B T C"], Float[Array, " C"]]:
-        """`merge_heads` as (the output projection's product without its bias, the bias):
-        for a caller that adds the bias with the residual (`norm_kernel.add_layer_norm`)."""
-        return product(self.out_proj, y.reshape(*y.shape[:2], -1)), self.out_proj.bias[...]
 
 
 class SympowAttention(_Attention):
@@ -363,11 +354,11 @@ class SympowAttention(_Attention):
             decode_impl = DECODE_IMPL[impl]
         self.decode_impl = decode_impl
 
-    def attend(self, x: Float[Array, "B T C"]) -> Float[Array, "B T Hq E"]:
-        """The heads' output before the output projection (`__call__` = merge_heads of it)."""
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         q, k, v, log_g, _ = self.project(x, rotary_layout=self._rotary_layout(x.shape[1]))
-        return sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
-                                impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
+        y = sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
+                             impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
+        return self.merge_heads(y)
 
     def prefill(self, x: Float[Array, "B T C"], *, max_length: int | None = None,
                 valid: Bool[Array, "B T"] | None = None
@@ -438,11 +429,11 @@ class SoftmaxAttention(_Attention):
         low_precision = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
 
-    def attend(self, x: Float[Array, "B T C"]) -> Float[Array, "B T Hq E"]:
-        """The heads' output before the output projection (`__call__` = merge_heads of it)."""
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         q, k, v, _, _ = self.project(x)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=self._implementation())
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self._implementation())  # [B,T,Hq,E]
+        return self.merge_heads(y)
 
     def prefill(self, x: Float[Array, "B T C"], *, max_length: int,
                 valid: Bool[Array, "B T"] | None = None

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from sympow import embedding
-from sympow.layers import decode, norm_kernel
+from sympow.layers import decode
 from sympow.layers.attention import (
     GATE_BIAS_INIT,
     SoftmaxAttention,
@@ -79,8 +79,6 @@ class GPTConfig:
     rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
     chunk_size, impl, algorithm: passed to `sympow.sympow_attention` (None = choose).
     decode_impl: `sympow.decode_step`'s impl (None follows impl; see `SympowAttention`).
-    norm_impl: impl of the residual add + LayerNorm (`norm_kernel.add_layer_norm`): None =
-      the kernels on a GPU, 'pallas' the kernels (the Pallas interpreter off a GPU), 'xla'.
     dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
     max_length: KV-cache rows of the softmax baseline when prefill gets no max_length.
     mlp_ratio: MLP hidden width / d_model. layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
@@ -102,7 +100,6 @@ class GPTConfig:
     impl: str | None = None
     algorithm: str | None = None
     decode_impl: str | None = None
-    norm_impl: str | None = None
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     max_length: int = 1024
@@ -119,9 +116,6 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
         object.__setattr__(self, "gate_bias", check_gate_bias(self.gate_bias))
-        if self.norm_impl not in norm_kernel.IMPLS:
-            raise ValueError(f"norm_impl must be one of {norm_kernel.IMPLS}, got "
-                             f"norm_impl={self.norm_impl!r}")
 
     @classmethod
     def preset(cls, variant: str, size: str = "small", **overrides) -> GPTConfig:
@@ -159,33 +153,11 @@ def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
                          param_dtype=config.param_dtype, rngs=rngs)
 
 
-# A sublayer's output not yet added to the residual stream: (its last product without the
-# bias [B, T, C], that bias [C]); the next LayerNorm adds it (`add_norm`).
-Pending = tuple[Array, Array]
-
-
-def add_norm(ln: nnx.LayerNorm, x: Float[Array, "B T C"], pending: Pending | None, *,
-             impl: str | None = None) -> tuple[Float[Array, "B T C"], Float[Array, "B T C"]]:
-    """(x + pending, ln of it): the residual add and the LayerNorm after it, in one kernel
-    each way where `norm_kernel.add_layer_norm` runs them (impl); pending None: (x, ln(x))."""
-    if pending is None:
-        return x, ln(x)
-    delta, bias = pending
-    return norm_kernel.add_layer_norm(x, delta, bias, ln.scale[...], ln.bias[...],
-                                      eps=ln.epsilon, impl=impl)
-
-
 class Block(nnx.Module):
-    """Pre-LN GPT-2 block: x + attn(ln1(x)), then x + mlp(ln2(x)); MLP C -> 4C -> C, GELU.
-
-    The full forward runs as `residual_step`: each sublayer's output is added to the
-    residual stream by the LayerNorm that follows it (`add_norm`), so that the sum and the
-    normalization are one pass each way; `__call__` adds the last one itself.
-    """
+    """Pre-LN GPT-2 block: x + attn(ln1(x)), then x + mlp(ln2(x)); MLP C -> 4C -> C, GELU."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         hidden = config.mlp_ratio * config.d_model
-        self.norm_impl = config.norm_impl
         out_std = config.init_std / (2 * config.n_layer) ** 0.5
         self.ln1 = _layer_norm(config, rngs)
         self.attn = _attention(config, rngs)
@@ -200,18 +172,8 @@ class Block(nnx.Module):
         return self.proj(bias_gelu(product(self.fc, x), self.fc.bias[...]))
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        x, (delta, bias) = self.residual_step(x, None)
-        return norm_kernel.residual_sum(x, delta, bias)
-
-    def residual_step(self, x: Float[Array, "B T C"], pending: Pending | None
-                      ) -> tuple[Float[Array, "B T C"], Pending]:
-        """The block on x + pending (the previous block's output not yet added): returns
-        the residual stream after the attention and the MLP's output, pending in turn."""
-        x, h = add_norm(self.ln1, x, pending, impl=self.norm_impl)
-        attended = self.attn.merge_heads_product(self.attn.attend(h))
-        x, h = add_norm(self.ln2, x, attended, impl=self.norm_impl)
-        hidden = bias_gelu(product(self.fc, h), self.fc.bias[...])  # [B, T, 4C]
-        return x, (product(self.proj, hidden), self.proj.bias[...])
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
 
     def prefill(self, x: Float[Array, "B T C"], *, max_length: int, valid=None):
         y, cache = self.attn.prefill(self.ln1(x), max_length=max_length, valid=valid)
@@ -275,18 +237,16 @@ class GPT(nnx.Module):
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T C"]:
         return self.ln_emb(self.wte(tokens))
 
-    def head(self, x: Float[Array, "B T C"], pending: Pending | None = None
-             ) -> Float[Array, "B T V"]:
-        """Final LayerNorm (of x + pending: the last block's output not yet added) and the
-        tied output projection (`tied_logits`)."""
-        _, x = add_norm(self.ln_f, x, pending, impl=self.config.norm_impl)
+    def head(self, x: Float[Array, "B T C"]) -> Float[Array, "B T V"]:
+        """Final LayerNorm and the tied output projection (`tied_logits`)."""
+        x = self.ln_f(x)
         return tied_logits(x, self.wte.embedding[...].astype(x.dtype))
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
-        x, pending = self.embed(tokens), None  # [B, T, C]
+        x = self.embed(tokens)  # [B, T, C]
         for block in self.blocks:
-            x, pending = block.residual_step(x, pending)
-        return self.head(x, pending)
+            x = block(x)
+        return self.head(x)
 
     def prefill(self, tokens: Int[Array, "B T"], *, max_length: int | None = None,
                 valid=None, last_only: bool = False):
