@@ -18,9 +18,12 @@ from jaxtyping import Array, Float
 __all__ = ["bias_gelu", "product", "products_side_by_side"]
 
 
-def product(linear: nnx.Linear, x: Float[Array, "... C"]) -> Float[Array, "... N"]:
-    """`linear(x)` without its bias: the same promotion and product as `nnx.Linear`."""
-    x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
+def product(linear: nnx.Linear, x: Float[Array, "... C"],
+            kernel: Float[Array, "C N"] | None = None) -> Float[Array, "... N"]:
+    """`linear(x)` without its bias: the same promotion and product as `nnx.Linear`; kernel:
+    another [C, N] kernel multiplied as linear multiplies its own (None: its own)."""
+    kernel = linear.kernel[...] if kernel is None else kernel
+    x, kernel = linear.promote_dtype((x, kernel), dtype=linear.dtype)
     return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                               precision=linear.precision)
 
@@ -43,9 +46,7 @@ def products_side_by_side(linears: Sequence[nnx.Linear], x: Float[Array, "... C"
     if len(linears) == 1:
         return [first(x)]
     kernel = jnp.concatenate([linear.kernel[...] for linear in linears], axis=1)  # [C, sum N]
-    x, kernel = first.promote_dtype((x, kernel), dtype=first.dtype)
-    y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                          precision=first.precision)  # [..., sum N]
+    y = product(first, x, kernel)  # [..., sum N]
     outputs, start = [], 0
     for linear in linears:
         width = linear.out_features
