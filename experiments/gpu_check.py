@@ -314,7 +314,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     state_to_rows (y = phi(u) S), its transposed form (g) and row_gradients (dx = 2 g in
     bf16, dls its row sums against x); then with the normalizer's quadratic form (Z a sum
     of phi of 16 random rows per chunk, in bf16 parts; weights w = c e^(2 ls) with random
-    c): state_to_rows' y and den = w x^T Z x, row_gradients' dx and dls."""
+    c): state_to_rows' y and den = w x^T Z x, row_gradients' dx and dls; then the slotted
+    layout of the in-place prefix sum: S written at slots 1..N of N + 1 (slot_offset=1),
+    y and dx read from there (slot 0 NaN: a read of it fails the row)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -337,6 +339,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     @jax.jit
     def run(xt, col, a, x, s, z, weights):
         norm = sk.Normalizer(z_parts(z), weights)
+        slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
         return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
                  sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
                 (sk.state_to_rows(x, col, s, transposed=False),
@@ -349,10 +352,17 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                      sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm),
                      strict=True),
                 *zip(sk.row_gradients(a, x, col, s, normalizer=norm),
-                     sk.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True)]
+                     sk.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
+                (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
+                 sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1),
+                 sk.state_to_rows_reference(x, col, s, transposed=False)),
+                (sk.row_gradients(a, x, col, slotted, slot_offset=1)[0],
+                 sk.row_gradients_reference(a, x, col, s)[0])]
 
     rows = []
-    names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z")
+    names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "y_slots",
+             "dx_slots")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

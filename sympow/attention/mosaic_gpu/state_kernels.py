@@ -95,9 +95,11 @@ def products(acc_refs, operands, rhs) -> None:
     plgpu.wgmma_wait(0)
 
 
-def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
-    """S [B, Hk, N, D^2, E] bf16: S[(i, j)] = sum over the rows r of the chunk and the heads
-    of a group of col[i, r] xt[j, r] a[r].
+def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
+                  slot_offset: int = 0):
+    """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
+    S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
+    col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
 
     xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
@@ -105,6 +107,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
+    slots = n if slots is None else slots
+    _check_slots(slots, n, slot_offset)
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
@@ -140,7 +144,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
             plgpu.commit_smem()
             for t in range(per_wg):
                 i = first + wg * per_wg + t
-                plgpu.copy_smem_to_gmem(out.at[wg, t], s_ref.at[bi, hk, chunk, pl.ds(i * d, d)])
+                plgpu.copy_smem_to_gmem(out.at[wg, t],
+                                        s_ref.at[bi, hk, chunk + slot_offset, pl.ds(i * d, d)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -159,10 +164,17 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4):
     ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
     return launch(
         kernel, name="sympow_states_rows_to_state",
-        out_type=jax.ShapeDtypeStruct((b, kv_heads, n, d * d, e), BF16),
+        out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
         grid=(d // per_program, n, b * kv_heads), grid_names=("features", "chunk", "bh"),
         args=(xt, col, a))
+
+
+def _check_slots(slots: int, n: int, slot_offset: int) -> None:
+    """A state array's slots must hold chunk n at slot n + slot_offset for every n < N."""
+    if slot_offset < 0 or slots < n + slot_offset:
+        raise ValueError(f"states of {slots} slots cannot hold {n} chunks from slot "
+                         f"slot_offset={slot_offset}")
 
 
 class Normalizer(NamedTuple):
@@ -180,7 +192,7 @@ class Normalizer(NamedTuple):
 
 
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
-                  stages: int | None = None):
+                  stages: int | None = None, slot_offset: int = 0):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
     den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
@@ -188,15 +200,17 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
     head h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
-    stages: ring slots (default: as many as fit in shared memory).
+    stages: ring slots (default: as many as fit in shared memory). slot_offset: chunk n
+    reads s at slot n + slot_offset (s may hold more slots than N; Z's parts stay by chunk).
     """
     if normalizer is not None and transposed:
         raise ValueError("normalizer: the quadratic form takes the rows x (transposed=False)")
-    return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages)
+    return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
+                          slot_offset=slot_offset)
 
 
 def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
-                  stages: int | None = None):
+                  stages: int | None = None, slot_offset: int = 0):
     """(dx [B, Hx, N, C, D] bf16, dls [B, Hx, N, C] float32): the row gradients of
     sum_r phi(u_r) . (S a_r) (+ w_r x_r^T Z x_r with a `normalizer`) with u = x e^ls,
     col = x^T e^(2 ls): dx_r = 2 sum_j col[j, r] a_r S_j^T (the transposed `state_to_rows`,
@@ -204,18 +218,22 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     cotangent: both terms are homogeneous of degree 2 in u), all from float32 in the
     kernel's epilogue (one read of dx less, and dx leaves in bf16).
 
-    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s as `state_to_rows`.
+    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s, slot_offset as
+    `state_to_rows`.
     """
-    return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages)
+    return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
+                          slot_offset=slot_offset)
 
 
-def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None):
+def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None,
+                   slot_offset: int):
     """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
     quadratic form of its Z against the rows x (three products with Z's parts per block of
     rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
     hk, e = s.shape[1], s.shape[-1]
+    _check_slots(s.shape[2], n, slot_offset)
     groups, width = hx // hk, d if transposed else e
     gradient, quadratic = x is not None, normalizer is not None
     # 64-row blocks per warpgroup: two share each S_i read (half the traffic per product)
@@ -318,7 +336,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             if quadratic:
                 plgpu.copy_gmem_to_smem(parts_ref.at[bi, kv, chunk], parts_smem, parts_bar.at[0])
             ring.fill(d // per_step, lambda step: (
-                s_ref.at[bi, kv, chunk, pl.ds(step * per_step * d, per_step * d)],))
+                s_ref.at[bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
 
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
@@ -348,17 +366,24 @@ def quadratic_product(x_smem, parts_smem):
 # The same functions in plain JAX (float32, exact products): the specification the GPU
 # check compares the kernels with, and what CPU tests put in their place.
 
-def rows_to_state_reference(xt, col, a, *, kv_heads: int):
+def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
+                            slot_offset: int = 0):
+    """The slots no chunk maps to hold NaN: what reads them shows."""
     b, hx, n, d, c = xt.shape
+    slots = n if slots is None else slots
+    _check_slots(slots, n, slot_offset)
     grouped = lambda x: x.reshape(b, kv_heads, hx // kv_heads, *x.shape[2:])  # noqa: E731
     s = jnp.einsum("bhgnir,bhgnjr,bhgnre->bhnije", grouped(col.astype(F32)),
                    grouped(xt.astype(F32)),
                    grouped(a.astype(F32)), precision=lax.Precision.HIGHEST)
-    return s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
+    s = s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
+    unwritten = jnp.full((b, kv_heads, slots, d * d, a.shape[-1]), jnp.nan, BF16)
+    return unwritten.at[:, :, slot_offset:slot_offset + n].set(s)
 
 
-def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None):
-    g = state_to_rows_reference(a, col, s, transposed=True)
+def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None,
+                            slot_offset: int = 0):
+    g = state_to_rows_reference(a, col, s, transposed=True, slot_offset=slot_offset)
     if normalizer is not None:
         g = g + normalizer.weights[..., None] * quadratic_product_reference(x, normalizer)
     dx = 2.0 * g
@@ -366,9 +391,11 @@ def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = Non
 
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool,
-                            normalizer: Normalizer | None = None):
+                            normalizer: Normalizer | None = None, slot_offset: int = 0):
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
+    _check_slots(s.shape[2], n, slot_offset)
+    s = s[:, :, slot_offset:slot_offset + n]
     blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
     spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
     out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
@@ -381,7 +408,7 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
 
 def quadratic_product_reference(x, normalizer: Normalizer):
     """x Z [B, Hx, N, C, D] float32 for rows x [B, Hx, N, C, D] and Z the sum of the parts."""
-    parts = normalizer.parts.astype(F32)
+    parts = normalizer.parts[:, :, :x.shape[2]].astype(F32)  # by chunk (more slots: unread)
     b, hk, n, three_d, d = parts.shape
     z = parts.reshape(b, hk, n, 3, d, d).sum(axis=3)
     z = jnp.repeat(z, x.shape[1] // hk, axis=1)

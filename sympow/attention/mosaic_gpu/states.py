@@ -15,7 +15,11 @@ and `row_gradients` adds 2 w Z x to the row gradient, Z in three bf16 parts (flo
 accurate products). Only the gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's
 z cotangent stay float32 XLA products (on the tensor cores as bf16 parts:
 `NORMALIZER_ALGORITHM`); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
-The prefix sum is the portable tier's kernel (it sees only F). The final state leaves in
+The prefix sum is the portable tier's kernel (it sees only F), in place over one buffer
+of N + 1 slots (`prefix_kernels`, slotted): update_state writes chunk n's state at slot
+n + 1, the sum leaves at slot n the state entering chunk n, which query_state reads, and
+the backward's cotangents take the same slots, so a call holds two state-sized buffers at
+its peak where an exclusive sum into a buffer of its own held three. The final state leaves in
 the tile=1 symmetric layout every tier returns, each feature the mean of (i, j) and its
 mirror (j, i): both hold the same sum, and the mean keeps the cotangent that comes back
 symmetric.
@@ -98,16 +102,20 @@ def _kernel_width(e: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def state_of_rows(x, ls, a, kv_heads: int):
-    """(S [B, Hk, N, d^2, E] bf16, z [B, Hk, N, d^2] float32): the sums over the rows and
-    the group heads of phi(u) a^T and of phi(u), u = x e^ls, for x [B, Hx, N, C, d] bf16,
-    ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16."""
+    """(S [B, Hk, N + 1, d^2, E] bf16, z [B, Hk, N + 1, d^2] float32) in slots: chunk n's
+    sums over its rows and the group heads of phi(u) a^T and of phi(u) at slot n + 1, u =
+    x e^ls, for x [B, Hx, N, C, d] bf16, ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16.
+    Slot 0 is left for the prefix sum's P_0 (S's unwritten); the cotangents come back in
+    the same slots (slot 0 unread)."""
     return _state_of_rows_fwd(x, ls, a, kv_heads)[0]
 
 
 def _state_of_rows_fwd(x, ls, a, kv_heads):
+    n = x.shape[2]
     s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
-                                    kv_heads=kv_heads)
-    return (s, _weighted_gram(x, jnp.exp(P * ls), kv_heads)), (x, ls, a)
+                                    kv_heads=kv_heads, slots=n + 1, slot_offset=1)
+    z = jnp.pad(_weighted_gram(x, jnp.exp(P * ls), kv_heads), ((0, 0), (0, 0), (1, 0), (0, 0)))
+    return (s, z), (x, ls, a)
 
 
 def _state_of_rows_bwd(kv_heads, res, cotangents):
@@ -115,10 +123,11 @@ def _state_of_rows_bwd(kv_heads, res, cotangents):
     ds, dz = cotangents
     ds = ds.astype(BF16)
     col = columns(x, ls)
-    da = state_kernels.state_to_rows(x, col, ds, transposed=False)
+    da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1)
     # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
     dx, dls = state_kernels.row_gradients(
-        a, x, col, ds, normalizer=state_kernels.Normalizer(z_parts(dz), jnp.exp(P * ls)))
+        a, x, col, ds, slot_offset=1,
+        normalizer=state_kernels.Normalizer(z_parts(dz[:, :, 1:]), jnp.exp(P * ls)))
     return dx, dls, da.astype(a.dtype)
 
 
@@ -128,8 +137,9 @@ state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
 @jax.custom_vjp
 def rows_of_state(x, ls, s, z):
     """(y [B, Hx, N, C, E] float32 = phi(u) S, den [B, Hx, N, C] float32 = phi(u) . z), u =
-    x e^ls, with S [B, Hk, N, d^2, E] bf16 and z [B, Hk, N, d^2] float32 of kv head
-    h // (Hx / Hk)."""
+    x e^ls, with S [B, Hk, slots, d^2, E] bf16 and z [B, Hk, slots, d^2] float32 of kv head
+    h // (Hx / Hk): chunk n reads slot n (slots >= N: the slotted prefix sum's N + 1, the
+    last unread; its cotangent unwritten in S's, zero in z's)."""
     return _rows_of_state_fwd(x, ls, s, z)[0]
 
 
@@ -145,12 +155,15 @@ def _rows_of_state_bwd(res, cotangents):
     x, ls, s, parts = res
     dy, dden = cotangents
     dy = dy.astype(BF16)
-    col, kv_heads = columns(x, ls), s.shape[1]
-    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads)
+    col, kv_heads, slots = columns(x, ls), s.shape[1], s.shape[2]
+    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
+                                     slots=slots)
     weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
     dx, dls = state_kernels.row_gradients(
         dy, x, col, s, normalizer=state_kernels.Normalizer(parts, weights))
-    return dx, dls, ds.astype(s.dtype), _weighted_gram(x, weights, kv_heads)
+    dz = _weighted_gram(x, weights, kv_heads)
+    dz = jnp.pad(dz, ((0, 0), (0, 0), (0, slots - dz.shape[2]), (0, 0)))
+    return dx, dls, ds.astype(s.dtype), dz
 
 
 rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
@@ -178,7 +191,8 @@ def _weighted_gram(x, weights, kv_heads: int):
 
 
 def update_state(k, v, tail):
-    """`ChunkPrimitives.update_state` in the square layout (p = 2)."""
+    """`ChunkPrimitives.update_state` in the square layout (p = 2), in N + 1 slots
+    (`state_of_rows`): `prefix_sum` sums them in place, `query_state` reads its output."""
     e = v.shape[-1]
     s, z = state_of_rows(k, tail / P, pad_to(v, -1, _kernel_width(e)), k.shape[1])
     return s[..., :e], z
@@ -194,11 +208,13 @@ def _final_gather(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def prefix_sum(config: AttentionConfig, s, z, g_last):
-    """`ChunkPrimitives.prefix_sum` in the square layout: the portable kernel, the final
+    """`ChunkPrimitives.prefix_sum` in the square layout: the portable kernel (in place over
+    `update_state`'s N + 1 slots; exclusive, into a buffer of its own, for N), the final
     state gathered to the tile=1 layout."""
     f, e = s.shape[-2:]
+    slotted = s.shape[2] == g_last.shape[-1] + 1
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(
-        prefix_plan(f, config.interpret), pad_to(s, -1, padded_width(e)), z, g_last)
+        prefix_plan(f, config.interpret, slotted), pad_to(s, -1, padded_width(e)), z, g_last)
     rows, mirrors, scale = _final_gather(state_kernels.DIM)
     s_fin = (s_fin[..., rows, :e] + s_fin[..., mirrors, :e]) * (0.5 * scale[:, None])
     z_fin = (z_fin[..., rows] + z_fin[..., mirrors]) * (0.5 * scale)

@@ -126,12 +126,14 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixPlan:
-    """Static settings of the prefix-sum kernels: feature block bf, warps, stages, interpret."""
+    """Static settings of the prefix-sum kernels: feature block bf, warps, stages, interpret;
+    slotted: the states in N + 1 slots, summed in place (`prefix_kernels`)."""
 
     bf: int
     warps: int
     stages: int
     interpret: bool
+    slotted: bool = False
 
 
 def matmul_dtype(p: int, dtype: str):
@@ -221,12 +223,12 @@ def _plan(p: int, d: int, e: int, c: int, dtype: str, mm: str, interpret: bool) 
     )
 
 
-def prefix_plan(f: int, interpret: bool) -> PrefixPlan:
+def prefix_plan(f: int, interpret: bool, slotted: bool = False) -> PrefixPlan:
     """Feature block: the largest power of two <= 64 dividing F ([bf, E] f32 per step)."""
     bf = 1
     while bf < 64 and f % (2 * bf) == 0:
         bf *= 2
-    return PrefixPlan(bf=bf, warps=4, stages=2, interpret=interpret)
+    return PrefixPlan(bf=bf, warps=4, stages=2, interpret=interpret, slotted=slotted)
 
 
 def padded_width(e: int) -> int:

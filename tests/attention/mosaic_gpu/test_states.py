@@ -83,6 +83,32 @@ def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e, col_dtype):
     assert f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>" in text
 
 
+def test_the_kernels_take_states_in_slots():
+    """rows_to_state writes chunk n at slot n + slot_offset of `slots`; state_to_rows and
+    row_gradients read it there; a slot count that cannot hold the chunks is refused."""
+    b, hq, hk, n, c, e = 1, 2, 2, 2, 256, 64
+    text = lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk, slots=n + 1,
+                                                          slot_offset=1),
+                   ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
+    assert text.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hk}x{n + 1}x{D * D}x{e}xbf16>" in text
+    for fn in (lambda *x: state_kernels.state_to_rows(*x[1:], transposed=False, slot_offset=1),
+               lambda *x: state_kernels.row_gradients(*x, slot_offset=1)):
+        text = lowered(fn, ((b, hq, n, c, e), BF16), ((b, hq, n, c, D), BF16),
+                       ((b, hq, n, D, c), BF16), ((b, hk, n + 1, D * D, e), BF16))
+        assert text.count("@mosaic_gpu") == 1
+    rows, col = jnp.zeros((b, hq, n, c, D), BF16), jnp.zeros((b, hq, n, D, c), BF16)
+    with pytest.raises(ValueError, match="states of 2 slots cannot hold 2 chunks from slot "
+                                         "slot_offset=1"):
+        state_kernels.state_to_rows(rows, col, jnp.zeros((b, hk, n, D * D, e), BF16),
+                                    transposed=False, slot_offset=1)
+    with pytest.raises(ValueError, match="states of 2 slots cannot hold 2 chunks from slot "
+                                         "slot_offset=1"):
+        state_kernels.rows_to_state_reference(jnp.swapaxes(rows, -1, -2), col,
+                                              jnp.zeros((b, hq, n, c, e), BF16), kv_heads=hk,
+                                              slots=n, slot_offset=1)
+
+
 def test_the_quadratic_form_takes_the_rows_not_a_transposed_product():
     x = jnp.zeros((1, 2, 1, 128, D), BF16)
     normalizer = state_kernels.Normalizer(jnp.zeros((1, 2, 1, 3 * D, D), BF16),
@@ -203,15 +229,26 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
         for x_, y_ in zip(got, want, strict=True):
             assert testing.rel_err(x_.astype(F32), y_.astype(F32)) < 1e-2  # bf16 cotangents
 
-    def state_definition(x, ls, a):  # (S, z) of the grouped rows
+    def state_definition(x, ls, a):  # (S, z) of the grouped rows, by chunk
         u = x.astype(F32) * jnp.exp(ls)[..., None]
         return (state_kernels.rows_to_state_reference(
             jnp.swapaxes(x, -1, -2), states.columns(x, ls), a, kv_heads=hk),
             per_kv(jnp.sum(phi(u), axis=3)))
 
-    # the cotangents a state gets are symmetric
+    def with_nan_slot(arrays, *, first: bool):  # one more chunk slot, of NaN: a read shows
+        def pad(y):
+            nan = jnp.full_like(y[:, :, :1], jnp.nan)
+            return jnp.concatenate([nan, y] if first else [y, nan], axis=2)
+        return tuple(pad(y) for y in arrays)
+
+    # state_of_rows: chunk n at slot n + 1, slot 0 neither written nor read; the cotangents
+    # a state gets are symmetric
+    got = states.state_of_rows(x, ls, a, hk)
+    assert [y.shape[2] for y in got] == [n + 1, n + 1]
+    close([y[:, :, 1:] for y in got], state_definition(x, ls, a))
     cotangent = (_symmetric_state(rng, b, hk, n, e), _symmetric_normalizer(rng, b, hk, n))
-    close(by_autodiff(lambda *w: states.state_of_rows(*w, hk), (x, ls, a), cotangent),
+    close(by_autodiff(lambda *w: states.state_of_rows(*w, hk), (x, ls, a),
+                      with_nan_slot(cotangent, first=True)),
           by_autodiff(state_definition, (x, ls, a), cotangent))
 
     def rows_definition(x, ls, s, z):  # (phi(u) S, phi(u) . z)
@@ -220,13 +257,19 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
                                                       transposed=False),
                 jnp.sum(phi(u) * repeat(z)[:, :, :, None], axis=-1))
 
+    # rows_of_state: chunk n reads slot n, of N or of N + 1 slots (the last unread)
     dy = (jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32),
           jnp.asarray(rng.normal(size=(b, hq, n, c)), F32))
-    close(by_autodiff(states.rows_of_state, (x, ls, s, z), dy),
-          by_autodiff(rows_definition, (x, ls, s, z), dy))
+    want = by_autodiff(rows_definition, (x, ls, s, z), dy)
+    close(by_autodiff(states.rows_of_state, (x, ls, s, z), dy), want)
+    grads = by_autodiff(states.rows_of_state, (x, ls, *with_nan_slot((s, z), first=False)), dy)
+    assert [y.shape[2] for y in grads[2:]] == [n + 1, n + 1]
+    assert not np.any(np.asarray(grads[3][:, :, n]))  # z's last slot: no cotangent
+    close([*grads[:2], *(y[:, :, :n] for y in grads[2:])], want)
     # the forward values too: the normalizer against phi written out
     close(states.rows_of_state(x, ls, s, z), rows_definition(x, ls, s, z))
-    close(states.state_of_rows(x, ls, a, hk), state_definition(x, ls, a))
+    close(states.rows_of_state(x, ls, *with_nan_slot((s, z), first=False)),
+          rows_definition(x, ls, s, z))
 
 
 def _forward_and_grads(f, args, dy):
