@@ -15,12 +15,12 @@ and `row_gradients` adds 2 w Z x to the row gradient, Z in three bf16 parts (flo
 accurate products). Only the gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's
 z cotangent stay float32 XLA products (on the tensor cores as bf16 parts:
 `NORMALIZER_ALGORITHM`); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
-The prefix sum is the portable tier's kernel (it sees only F), in place over one buffer
-of N + 1 slots (`prefix_kernels`, slotted): update_state writes chunk n's state at slot
-n + 1, the sum leaves at slot n the state entering chunk n, which query_state reads, and
-the backward's cotangents take the same slots, so a call holds two state-sized buffers at
-its peak where an exclusive sum into a buffer of its own held three. The final state leaves in
-the tile=1 symmetric layout every tier returns, each feature the mean of (i, j) and its
+The prefix sum is the portable tier's kernel (it sees only F), in place over one buffer of
+N + 1 slots (`prefix_kernels`, slotted): update_state writes chunk n's state at slot n + 1,
+the sum leaves at slot n the state entering chunk n, which query_state reads, and the
+backward's cotangents take the same slots, so the state backward holds two state-sized
+buffers where an exclusive sum into a buffer of its own held three. The final state leaves
+in the tile=1 symmetric layout every tier returns, each feature the mean of (i, j) and its
 mirror (j, i): both hold the same sum, and the mean keeps the cotangent that comes back
 symmetric.
 
