@@ -51,6 +51,8 @@ class ChunkPrimitives(NamedTuple):
     attention(q, k, v, a, *, p) -> (o [B,Hq,N,C,E], den [B,Hq,N,C], m [B,Hq,N,C])
     query_state(q, s_in, z_in, g, o, den, m, *, p) -> y [B,Hq,N,C,E] (normalized)
     with a the log gates, g their inclusive and tail their suffix sums, [B,Hk,N,C] each.
+    A tier may keep its per-chunk states in a layout of its own (the Hopper tier: N + 1
+    slots, summed in place), which only its own prefix_sum and query_state read.
     """
 
     update_state: Callable[..., tuple[Array, Array]]
