@@ -56,3 +56,15 @@ def test_65536_tokens_of_ordinary_gates(x64):
     assert rel_err(y, y64) < testing.TOL_PRECISION
     assert rel_err(state.s, state64.s) < testing.TOL_PRECISION
     assert np.isfinite(np.asarray(y)).all()
+
+
+def test_the_float64_oracle_takes_ungated_calls(rng):
+    """check_fp32 against float64 for a call without gates: y and the three gradients, no
+    dlog_g row, each within the float32 tolerance."""
+    case = testing.Case(t=40, d=16, e=8, hq=4, hk=2, gating=False)
+    args = testing.inputs(case, rng)
+    assert args[3] is None
+    rows = testing.check_fp32(case, args, ("xla", "attention"), gold_impl=None)
+    assert [row[0] for row in rows] == ["y", "dq", "dk", "dv"]
+    for name, err, tol, ok in rows:
+        assert ok, f"{name}: {err:.2e} > {tol:.0e}"
