@@ -5,8 +5,10 @@ Y = phi(Q)^T S / phi(Q)^T Z for the R query heads of each key/value head. Writte
 operations, XLA reads the state [F, E] once to update it and again for the readout, in
 several launches. Here one program per (batch x kv head, row tile of F) reads its tile of
 S and Z once, writes the updated tile in place (`input_output_aliases`: no second state
-buffer) and returns the tile's share of the readout, phi(Q)^T S_new over its rows; XLA adds
-the shares of the F / rows tiles and divides. The features phi(Q) and phi(K) ([F] per head,
+buffer) and returns the tile's share of the readout, phi(Q)^T S_new over its rows, and of
+its normalizer phi(Q)^T Z_new in one array (the normalizer repeated along E: one sum over
+the tiles serves both, where two arrays took XLA two reductions); XLA adds the shares of the
+F / rows tiles and divides. The features phi(Q) and phi(K) ([F] per head,
 small beside the state) are built by `sympow_embedding` outside the kernel.
 
 Triton wants power-of-two blocks: the row tile is the largest power of two dividing F (at
@@ -66,8 +68,8 @@ def _log_fallback(reason: str) -> None:
                    reason)
 
 
-def _step_kernel(s_ref, z_ref, phi_k_ref, phi_q_ref, v_ref, gate_ref, s_out, z_out, num_ref,
-                 den_ref):
+def _step_kernel(s_ref, z_ref, phi_k_ref, phi_q_ref, v_ref, gate_ref, s_out, z_out,
+                 readout_ref):
     gate = gate_ref[...]  # [1]
     phi_k = phi_k_ref[...]  # [rows]
     s = gate[:, None] * s_ref[...] + phi_k[:, None] * v_ref[...][None, :]  # [rows, E]
@@ -75,8 +77,10 @@ def _step_kernel(s_ref, z_ref, phi_k_ref, phi_q_ref, v_ref, gate_ref, s_out, z_o
     s_out[...] = s
     z_out[...] = z
     phi_q = phi_q_ref[...]  # [R, rows]
-    num_ref[...] = jnp.sum(phi_q[:, :, None] * s[None, :, :], axis=1)  # [R, E]
-    den_ref[...] = jnp.sum(phi_q * z[None, :], axis=1)  # [R]
+    groups, e = phi_q.shape[0], s.shape[1]
+    den = jnp.sum(phi_q * z[None, :], axis=1)  # [R]
+    readout_ref[pl.ds(0, groups), :] = jnp.sum(phi_q[:, :, None] * s[None, :, :], axis=1)
+    readout_ref[pl.ds(groups, groups), :] = jnp.broadcast_to(den[:, None], (groups, e))
 
 
 def fused_step(plan: DecodePlan, state: SympowState, q: Float[Array, "B Hq D"],
@@ -95,22 +99,20 @@ def fused_step(plan: DecodePlan, state: SympowState, q: Float[Array, "B Hq D"],
             else jnp.exp(log_g.astype(ct)).reshape(bh, 1))
     rows, groups = plan.rows, plan.groups
     tile = lambda *block: pl.BlockSpec(block, lambda i, j: (i, j) + (0,) * (len(block) - 2))  # noqa: E731
-    s, z, num, den = launch(
+    s, z, readout = launch(
         _step_kernel, plan=plan, name="sympow_decode_step", grid=(bh, tiles),
         in_specs=[tile(None, rows, e), tile(None, rows), tile(None, rows),
                   pl.BlockSpec((None, groups, rows), lambda i, j: (i, 0, j)),
                   pl.BlockSpec((None, e), lambda i, j: (i, 0)),
                   pl.BlockSpec((None, 1), lambda i, j: (i, 0))],
-        out_specs=[tile(None, rows, e), tile(None, rows), tile(None, None, groups, e),
-                   tile(None, None, groups)],
+        out_specs=[tile(None, rows, e), tile(None, rows), tile(None, None, 2 * groups, e)],
         out_shape=[jax.ShapeDtypeStruct((bh, f, e), ct), jax.ShapeDtypeStruct((bh, f), ct),
-                   jax.ShapeDtypeStruct((bh, tiles, groups, e), ct),
-                   jax.ShapeDtypeStruct((bh, tiles, groups), ct)],
+                   jax.ShapeDtypeStruct((bh, tiles, 2 * groups, e), ct)],
         warps=4, aliases={0: 0, 1: 1},
     )(state.s.reshape(bh, f, e), state.z.reshape(bh, f), phi_k, phi_q, v.astype(ct).reshape(bh, e),
       gate)
-    num = jnp.sum(num, axis=1)[:, :r]  # [BH, R, E]
-    den = jnp.sum(den, axis=1)[:, :r]  # [BH, R]
+    readout = jnp.sum(readout, axis=1)  # [BH, 2 groups, E]: numerators, then normalizers
+    num, den = readout[:, :r], readout[:, groups:groups + r, 0]  # [BH, R, E], [BH, R]
     y = safe_divide(num, den).reshape(b, hq, e)
     return SympowState(s.reshape(state.s.shape), z.reshape(state.z.shape)), y
 

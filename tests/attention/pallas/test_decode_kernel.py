@@ -113,3 +113,25 @@ def test_impl_none_runs_the_default(rng):
     want, y_want = api.decode_step(state, q, k, v, log_g, impl=api.default_decode_impl())
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_want))
     np.testing.assert_array_equal(np.asarray(got.s), np.asarray(want.s))
+
+
+def test_the_readout_and_its_normalizer_leave_in_one_array_summed_once():
+    """The kernel writes each tile's numerators and normalizers side by side ([2 R', E], the
+    normalizer repeated along E), so XLA sums the tiles in one reduction (two arrays took
+    it two reductions, each a launch of its own in a decoding step); for a GPU the step
+    lowers to one Triton kernel."""
+    rng = np.random.default_rng(2)
+    state = testing.decode_prompt_state(rng, b=1, hk=2, d=8, e=16, p=2)
+    q, k, v, log_g = testing.decode_token(rng, b=1, hq=6, hk=2, d=8, e=16, dtype=jnp.float32)
+    plan = decode_kernel.make_decode_plan(36, 3, 16, interpret=True)
+    jaxpr = jax.make_jaxpr(lambda *a: decode_kernel.fused_step(plan, *a, p=2))(
+        state, q, k, v, log_g)
+    names = [eq.primitive.name for eq in jaxpr.eqns]
+    call = jaxpr.eqns[names.index("pallas_call")]
+    tiles = 36 // plan.rows
+    assert [x.aval.shape for x in call.outvars][2] == (2, tiles, 2 * plan.groups, 16)
+    assert names[names.index("pallas_call"):].count("reduce_sum") == 1
+    gpu_plan = decode_kernel.make_decode_plan(36, 3, 16, interpret=False)
+    text = jax.jit(lambda *a: decode_kernel.fused_step(gpu_plan, *a, p=2)).trace(
+        state, q, k, v, log_g).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
