@@ -46,14 +46,20 @@ def test_the_decode_check_fails_a_wrong_step(rng, monkeypatch):
     assert not dict((name, ok) for name, *_, ok in rows)["z"]
 
 
-def test_the_state_is_updated_in_place():
-    """The kernel aliases the state's buffers to its outputs (no second [F, E] buffer)."""
+def small_step(hq: int, *, interpret: bool = True):
+    """(step, its arguments, its plan): the fused step of one token for B = 1, Hk = 2, d = 8
+    (F = 36), E = 16, p = 2 and hq query heads."""
     rng = np.random.default_rng(0)
     state = testing.decode_prompt_state(rng, b=1, hk=2, d=8, e=16, p=2)
-    q, k, v, log_g = testing.decode_token(rng, b=1, hq=2, hk=2, d=8, e=16, dtype=jnp.float32)
-    plan = decode_kernel.make_decode_plan(36, 1, 16, interpret=True)
-    jaxpr = jax.make_jaxpr(lambda *a: decode_kernel.fused_step(plan, *a, p=2))(
-        state, q, k, v, log_g)
+    token = testing.decode_token(rng, b=1, hq=hq, hk=2, d=8, e=16, dtype=jnp.float32)
+    plan = decode_kernel.make_decode_plan(36, hq // 2, 16, interpret=interpret)
+    return (lambda *a: decode_kernel.fused_step(plan, *a, p=2)), (state, *token), plan
+
+
+def test_the_state_is_updated_in_place():
+    """The kernel aliases the state's buffers to its outputs (no second [F, E] buffer)."""
+    step, args, _ = small_step(2)
+    jaxpr = jax.make_jaxpr(step)(*args)
     calls = [eq for eq in jaxpr.eqns if eq.primitive.name == "pallas_call"]
     assert len(calls) == 1
     assert tuple(calls[0].params["input_output_aliases"]) == ((0, 0), (1, 1))
@@ -120,18 +126,13 @@ def test_the_readout_and_its_normalizer_leave_in_one_array_summed_once():
     normalizer repeated along E), so XLA sums the tiles in one reduction (two arrays took
     it two reductions, each a launch of its own in a decoding step); for a GPU the step
     lowers to one Triton kernel."""
-    rng = np.random.default_rng(2)
-    state = testing.decode_prompt_state(rng, b=1, hk=2, d=8, e=16, p=2)
-    q, k, v, log_g = testing.decode_token(rng, b=1, hq=6, hk=2, d=8, e=16, dtype=jnp.float32)
-    plan = decode_kernel.make_decode_plan(36, 3, 16, interpret=True)
-    jaxpr = jax.make_jaxpr(lambda *a: decode_kernel.fused_step(plan, *a, p=2))(
-        state, q, k, v, log_g)
+    step, args, plan = small_step(6)
+    jaxpr = jax.make_jaxpr(step)(*args)
     names = [eq.primitive.name for eq in jaxpr.eqns]
     call = jaxpr.eqns[names.index("pallas_call")]
     tiles = 36 // plan.rows
-    assert [x.aval.shape for x in call.outvars][2] == (2, tiles, 2 * plan.groups, 16)
+    assert [x.aval.shape for x in call.outvars][2] == (1 * 2, tiles, 2 * plan.groups, 16)
     assert names[names.index("pallas_call"):].count("reduce_sum") == 1
-    gpu_plan = decode_kernel.make_decode_plan(36, 3, 16, interpret=False)
-    text = jax.jit(lambda *a: decode_kernel.fused_step(gpu_plan, *a, p=2)).trace(
-        state, q, k, v, log_g).lower(lowering_platforms=("cuda",)).as_text()
+    gpu_step, args, _ = small_step(6, interpret=False)
+    text = jax.jit(gpu_step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
