@@ -11,7 +11,8 @@ the buffer assignment (`*buffer-assignment.txt`: the temporaries' values and siz
 value live from the instruction that defines it to its last use, following its aliases
 (bitcasts, get-tuple-elements, `%name#i` tuple operands, and outputs written in place over
 an operand, `output_to_operand_aliasing`, which are one buffer), and prints the live
-megabytes at each custom call (the kernels) and the buffers alive at the peak. Values under
+megabytes at each custom call (the kernels) and the buffers alive at the peak (and at the
+schedule positions --at names). Values under
 --min_mib are left out; the heap XLA lays out can exceed the peak printed here by its
 fragmentation.
 """
@@ -26,6 +27,8 @@ from absl import app, flags
 
 _DUMP = flags.DEFINE_string("dump", None, "the --xla_dump_to directory (one module in it)")
 _MIN_MIB = flags.DEFINE_float("min_mib", 8.0, "leave out values smaller than this")
+_AT = flags.DEFINE_list("at", [], "schedule positions whose live buffers to list too (the "
+                        "peak's always are)")
 
 INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*)$")
 OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
@@ -120,7 +123,7 @@ def live_at(buffers: list[Buffer], position: int) -> list[Buffer]:
     return [b for b in buffers if b.start <= position <= b.end]
 
 
-def report(dump: str, min_mib: float) -> str:
+def report(dump: str, min_mib: float, at: tuple[int, ...] = ()) -> str:
     (hlo,) = glob.glob(str(Path(dump) / "*after_optimizations.txt"))
     (assignment,) = glob.glob(str(Path(dump) / "*after_optimizations-buffer-assignment.txt"))
     schedule = entry_schedule(Path(hlo).read_text())
@@ -129,9 +132,13 @@ def report(dump: str, min_mib: float) -> str:
     peak = max(range(len(schedule)), key=total)
     lines = [f"live MiB of the temporaries >= {min_mib:g} MiB at each custom call:"]
     lines += [f"{p:5d} {total(p):8.1f}  {name}" for p, name in calls]
-    lines.append(f"peak {total(peak):.1f} MiB at position {peak}: {schedule[peak][:100]}")
-    lines += [f"  {b.mib:7.1f} MiB [{b.start:4d}, {b.end:4d}] {b.shape}  {' '.join(b.values)}"
-              for b in sorted(live_at(buffers, peak), key=lambda b: -b.mib)]
+    for position in (*at, peak):
+        title = "peak" if position == peak else "live"
+        lines.append(f"{title} {total(position):.1f} MiB at position {position}: "
+                     f"{schedule[position][:100]}")
+        lines += [f"  {b.mib:7.1f} MiB [{b.start:4d}, {b.end:4d}] {b.shape}  "
+                  f"{' '.join(b.values)}"
+                  for b in sorted(live_at(buffers, position), key=lambda b: -b.mib)]
     return "\n".join(lines)
 
 
@@ -139,7 +146,7 @@ def main(argv):
     del argv
     if not _DUMP.value:
         sys.exit("--dump is required: the --xla_dump_to directory")
-    print(report(_DUMP.value, _MIN_MIB.value))
+    print(report(_DUMP.value, _MIN_MIB.value, tuple(int(p) for p in _AT.value)))
 
 
 if __name__ == "__main__":

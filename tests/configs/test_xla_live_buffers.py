@@ -67,6 +67,10 @@ def test_live_ranges_follow_aliases_and_count_an_in_place_output_once(tmp_path):
     assert "peak 70.0 MiB at position 4: %c = " in out  # a, t{1} (read by c) and c
     assert re.search(r"40\.0 MiB \[   1,    5\] f32\[10485760\]\{0\}  a t\{0\}", out)
     assert re.search(r"20\.0 MiB \[   2,    4\] f32\[5242880\]\{0\}  t\{1\}", out)
+    # --at lists another moment's buffers: at k2 (position 5) a and c, t{1} dead
+    at_k2 = run(f"--dump={tmp_path}", "--min_mib=1", "--at=5").split("peak ")[0]
+    assert "live 50.0 MiB at position 5: %d = " in at_k2
+    assert re.findall(r"MiB \[\s*\d+,\s*\d+\] \S+  (.+)$", at_k2, re.M) == ["a t{0}", "c"]
 
 
 def test_a_cpu_compilation_fits_its_own_heap(tmp_path):
