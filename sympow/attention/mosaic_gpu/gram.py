@@ -13,9 +13,12 @@ first (128 MiB at T = 65,536, H = 8): alive at the chunked call's peak (docs/ker
 
 Here a program owns one (chunk, kv head), walks its rows ROWS_PER_STEP at a time, forms w x
 in float32 registers, splits it in three bf16 parts (`blocks.bf16_parts`: their sum is w x
-to float32 accuracy) and accumulates part^T x on the tensor cores for each: x is bf16, so
-every product is exact in float32 and only the float32 accumulation rounds. Nothing but G
-is written.
+to float32 accuracy) and sums part^T x on the tensor cores for each: x is bf16, so every
+product is exact in float32 and only the sums round. The tensor cores' float32 accumulator
+does not round to nearest (on an H100 a kernel that accumulated all of a chunk's products
+in it erred 1.5e-6 of an entry's scale, against 2.4e-7 for XLA's einsum), so each step's
+three products start from zero and the step's sum joins the running one in an ordinary
+float32 add. Nothing but G is written.
 """
 
 from __future__ import annotations
@@ -44,10 +47,12 @@ def _gram_kernel(x_ref, w_ref, g_ref, *, groups: int, steps: int):
                      ROWS_PER_STEP)
         x = x_ref[head, rows, :]  # [ROWS, D] bf16
         xw = x.astype(F32) * w_ref[head, rows][:, None]  # [ROWS, D] float32
+        step_sum = None  # this step's products, from zero: see the module docstring
         for part in bf16_parts(xw):  # smallest first: small parts round least
-            acc = acc + jax.lax.dot_general(part, x, (((0,), (0,)), ((), ())),
-                                            preferred_element_type=F32)
-        return acc
+            product = jax.lax.dot_general(part, x, (((0,), (0,)), ((), ())),
+                                          preferred_element_type=F32)
+            step_sum = product if step_sum is None else step_sum + product
+        return acc + step_sum
 
     g_ref[...] = jax.lax.fori_loop(0, groups * steps, step, jnp.zeros((d, d), F32))
 
