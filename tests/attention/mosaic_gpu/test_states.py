@@ -11,7 +11,6 @@ definitions there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 
@@ -22,7 +21,7 @@ import pytest
 
 from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, gram, state_kernels, states, vjps
+from sympow.attention.mosaic_gpu import blocks, state_kernels, states, vjps
 from sympow.attention.mosaic_gpu import primitives as hopper
 from sympow.attention.pallas.plan import tiled_layout
 from tests.attention.mosaic_gpu.test_attention_kernels import lowered
@@ -45,8 +44,6 @@ def definitions(monkeypatch):
     monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "state_to_rows", state_kernels.state_to_rows_reference)
     monkeypatch.setattr(state_kernels, "row_gradients", state_kernels.row_gradients_reference)
-    monkeypatch.setattr(gram, "weighted_gram", functools.partial(gram.weighted_gram,
-                                                                 interpret=True))
     monkeypatch.setattr(states, "unsupported", lambda *_: None)
 
 
@@ -133,7 +130,7 @@ def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
 
 
 def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
@@ -184,7 +181,7 @@ def test_the_parts_of_z_sum_to_z(rng):
 def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
     """den_r = w_r x_r^T Z x_r is c_r phi(u_r) . z for w = c e^(2 ls); row_gradients adds its
     gradient (and its share of the ls cotangent) to the state's."""
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
@@ -216,7 +213,7 @@ def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
 
 @pytest.mark.usefixtures("definitions")
 def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), BF16)
