@@ -46,6 +46,24 @@ def test_the_decode_check_fails_a_wrong_step(rng, monkeypatch):
     assert not dict((name, ok) for name, *_, ok in rows)["z"]
 
 
+def test_the_decode_check_fails_a_wrong_readout_at_the_float32_tolerance(rng, monkeypatch):
+    """A float32 y off by 1e-4 of its size fails; the bound stays TOL_DECODE_Y where the
+    float32 specification itself is accurate (F = 36: it is not widened by its error)."""
+    def off(state, q, k, v, log_g, p, *, interpret):
+        state, y = reference.recurrent_step(state, q, k, v, log_g, p)
+        return state, y * (1 + 1e-4)
+    monkeypatch.setattr(decode_kernel, "decode_step", off)
+    api._decode_step.clear_cache()
+    try:
+        rows = testing.check_decode(rng, "pallas", b=1, hq=2, hk=2, d=8, e=16, p=2,
+                                    dtype="float32")
+    finally:
+        api._decode_step.clear_cache()
+    name, err, tol, ok = rows[-1]
+    assert name == "y" and not ok and err > 5e-5
+    assert tol == testing.TOL_DECODE_Y["float32"]
+
+
 def small_step(hq: int, *, interpret: bool = True):
     """(step, its arguments, its plan): the fused step of one token for B = 1, Hk = 2, d = 8
     (F = 36), E = 16, p = 2 and hq query heads."""
