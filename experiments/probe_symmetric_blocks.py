@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from probes import against, attempt, hopper_main  # noqa: E402  (beside this script)
 from timing import timed_interleaved  # noqa: E402  (experiments/timing.py, beside this script)
 
 _OUT = flags.DEFINE_string("out", None, "directory for probe_symmetric_blocks.json")
@@ -61,6 +62,16 @@ def _one_program(body, scratch, out_width: int = ROWS):
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup)))
 
 
+def _copy_in(pairs, bars) -> None:
+    """Each (GMEM ref, SMEM ref) pair copied in, one barrier each, all waited for."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for t, (src, dst) in enumerate(pairs):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[t])
+    for t in range(len(pairs)):
+        plgpu.barrier_wait(bars.at[t])
+
+
 def _product_to(out_ref, out_smem, operand, b_smem) -> None:
     """out_ref = operand @ b_smem in float32, through shared memory."""
     import jax.numpy as jnp
@@ -90,10 +101,7 @@ def packed_product(split: int):
     bf16 = jnp.bfloat16
 
     def body(xt_ref, col_ref, a_ref, out_ref, xt_smem, col_smem, a_smem, out_smem, bars):
-        for k, (src, dst) in enumerate(((xt_ref, xt_smem), (col_ref, col_smem),
-                                        (a_ref, a_smem))):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[k])
-            plgpu.barrier_wait(bars.at[k])
+        _copy_in(((xt_ref, xt_smem), (col_ref, col_smem), (a_ref, a_smem)), bars)
         xt = plgpu.load(xt_smem, (), layout=WGMMA)
         first, rest = (plgpu.load(col_smem.at[t], (), layout=COL_VECTOR).astype(bf16)
                        for t in range(2))
@@ -119,10 +127,7 @@ def sliced_product(start: int, swizzle: int = 32):
     bf16, k = jnp.bfloat16, ROWS - start
 
     def body(x_ref, col_ref, s_ref, out_ref, x_smem, col_smem, s_smem, out_smem, bars):
-        for t, (src, dst) in enumerate(((x_ref, x_smem), (col_ref, col_smem),
-                                        (s_ref, s_smem))):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[t])
-            plgpu.barrier_wait(bars.at[t])
+        _copy_in(((x_ref, x_smem), (col_ref, col_smem), (s_ref, s_smem)), bars)
         col = plgpu.load(col_smem, (), layout=ROW_VECTOR).astype(bf16)
         x = plgpu.load(x_smem, (), layout=WGMMA)[:, start:]
         _product_to(out_ref, out_smem, x * by_rows(col, (ROWS, k)),
@@ -150,10 +155,7 @@ def rate_kernel(layout: str, swizzle: int):
     bf16, starts = jnp.bfloat16, LAYOUTS[layout]
 
     def body(x_ref, col_ref, s_ref, out_ref, x_smem, col_smem, s_smem, out_smem, bars):
-        for t, (src, dst) in enumerate(((x_ref, x_smem), (col_ref, col_smem),
-                                        (s_ref, s_smem))):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[t])
-            plgpu.barrier_wait(bars.at[t])
+        _copy_in(((x_ref, x_smem), (col_ref, col_smem), (s_ref, s_smem)), bars)
         x = plgpu.load(x_smem, (), layout=WGMMA)
 
         def passes(acc_ref):
@@ -204,14 +206,6 @@ def _inputs(*shapes):
             for key, shape in zip(keys, shapes, strict=True)]
 
 
-def _check(row: dict, got, want) -> dict:
-    import numpy as np
-
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    return {**row, "max_rel_err": err, "ok": err < 1e-5}
-
-
 def probe_products() -> list[dict]:
     """Rows of the packed and sliced products against jnp."""
     import jax.numpy as jnp
@@ -223,25 +217,16 @@ def probe_products() -> list[dict]:
         xt, col, a = _inputs((ROWS, ROWS), (2, ROWS), (ROWS, ROWS))
         scale = jnp.where(jnp.arange(ROWS)[:, None] < split, col[0], col[1])
         want = jnp.dot((xt * scale).astype(bf16).astype(f32), a.astype(f32))
-        rows.append(_attempt(row, lambda xt=xt, col=col, a=a, split=split:
-                             packed_product(split)(xt, col, a), want))
+        rows.append(attempt(row, lambda xt=xt, col=col, a=a, split=split, want=want:
+                            against(packed_product(split)(xt, col, a), want)))
     for start in (16, 32, 48):
         row = dict(probe="sliced_k", start=start, k=ROWS - start, swizzle=32)
         x, col, s = _inputs((ROWS, ROWS), (ROWS,), (ROWS, ROWS))
         operand = (x[:, start:] * col[:, None]).astype(bf16).astype(f32)
         want = jnp.dot(operand, s[start:].astype(f32))
-        rows.append(_attempt(row, lambda x=x, col=col, s=s, start=start:
-                             sliced_product(start)(x, col, s), want))
+        rows.append(attempt(row, lambda x=x, col=col, s=s, start=start, want=want:
+                            against(sliced_product(start)(x, col, s), want)))
     return rows
-
-
-def _attempt(row: dict, run, want) -> dict:
-    try:
-        row = _check(row, run(), want)
-    except Exception as error:  # noqa: BLE001  (record what failed, go on)
-        row.update(error=f"{type(error).__name__}: {str(error)[:300]}", ok=False)
-    print(json.dumps(row), flush=True)
-    return row
 
 
 def probe_rates() -> list[dict]:
@@ -275,19 +260,7 @@ def probe_rates() -> list[dict]:
 
 def main(argv):
     del argv
-    import jax
-
-    from sympow.attention.mosaic_gpu.vjps import not_hopper
-
-    reason = not_hopper()
-    if reason is not None:
-        raise SystemExit(f"probe_symmetric_blocks.py needs a Hopper GPU: {reason}")
-    rows = [dict(device=jax.devices()[0].device_kind, jax=jax.__version__)]
-    rows += probe_products() + probe_rates()
-    if _OUT.value:
-        out = Path(_OUT.value)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_symmetric_blocks.json").write_text(json.dumps(rows, indent=1))
+    hopper_main("probe_symmetric_blocks", _OUT.value, probe_products, probe_rates)
 
 
 if __name__ == "__main__":

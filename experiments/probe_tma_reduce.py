@@ -15,13 +15,13 @@ Prints one JSON row per measurement and writes probe_tma_reduce.json under --out
 Hopper GPU (Mosaic GPU kernels); on anything else it exits with the reason.
 """
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from probes import against, attempt, hopper_main  # noqa: E402  (beside this script)
 from timing import timed  # noqa: E402  (experiments/timing.py, beside this script)
 
 _OUT = flags.DEFINE_string("out", None, "directory for probe_tma_reduce.json")
@@ -114,56 +114,35 @@ def probe_traffic() -> list[dict]:
             row = dict(probe="traffic", targets=targets, target_mib=targets * 16 / 1024,
                        reduction=reduction or "store", programs=_PROGRAMS.value,
                        steps=_STEPS.value, in_flight=_IN_FLIGHT.value)
-            try:
+
+            def measure(targets=targets, reduction=reduction):
                 ms = timed(traffic_kernel(targets, reduction), reps=_REPS.value)
                 gib = _PROGRAMS.value * _STEPS.value * ROWS * ROWS * 4 / 2**30
-                row.update(ms=ms, written_gib=gib, gb_per_s=gib * 2**30 / (ms * 1e-3) / 1e9)
-            except Exception as error:  # noqa: BLE001  (record what failed, go on)
-                row.update(error=f"{type(error).__name__}: {str(error)[:300]}")
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+                return dict(ms=ms, written_gib=gib, gb_per_s=gib * 2**30 / (ms * 1e-3) / 1e9)
+
+            rows.append(attempt(row, measure))
     return rows
 
 
 def probe_transposed() -> list[dict]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     rows = []
     keys = jax.random.split(jax.random.key(0), 2)
     for width in (ROWS, 16):
-        row = dict(probe="transposed_a", width=width)
         a = jax.random.normal(keys[0], (ROWS, ROWS), jnp.bfloat16)
         b = jax.random.normal(keys[1], (ROWS, width), jnp.bfloat16)
-        try:
-            got = np.asarray(transposed_product(width)(a, b))
-            want = np.asarray(jnp.dot(a.T.astype(jnp.float32), b.astype(jnp.float32)))
-            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            row.update(max_rel_err=err, ok=err < 1e-5)
-        except Exception as error:  # noqa: BLE001
-            row.update(error=f"{type(error).__name__}: {str(error)[:300]}", ok=False)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        want = jnp.dot(a.T.astype(jnp.float32), b.astype(jnp.float32))
+        rows.append(attempt(dict(probe="transposed_a", width=width),
+                            lambda a=a, b=b, width=width, want=want: against(
+                                transposed_product(width)(a, b), want)))
     return rows
 
 
 def main(argv):
     del argv
-    import jax
-
-    from sympow.attention.mosaic_gpu.vjps import not_hopper
-
-    reason = not_hopper()
-    if reason is not None:
-        raise SystemExit(f"probe_tma_reduce.py needs a Hopper GPU: {reason}")
-    device = jax.devices()[0]
-    rows = [dict(device=device.device_kind, jax=jax.__version__)]
-    rows += probe_transposed() + probe_traffic()
-    if _OUT.value:
-        out = Path(_OUT.value)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_tma_reduce.json").write_text(json.dumps(rows, indent=1))
+    hopper_main("probe_tma_reduce", _OUT.value, probe_transposed, probe_traffic)
 
 
 if __name__ == "__main__":

@@ -31,34 +31,31 @@ def test_fused_step_matches_the_reference_over_chained_steps(rng, b, hq, hk, d, 
     assert all(ok for *_, ok in rows), rows
 
 
-def test_the_decode_check_fails_a_wrong_step(rng, monkeypatch):
-    """check_decode can fail: a step that forgets the gate on z is caught."""
-    def forgetful(state, q, k, v, log_g, p, *, interpret):
-        state, y = reference.recurrent_step(state, q, k, v, log_g, p)
-        return state._replace(z=state.z * 1.001), y
-    monkeypatch.setattr(decode_kernel, "decode_step", forgetful)
+def _check_a_wrong_step(rng, monkeypatch, wrong):
+    """check_decode's rows for impl='pallas' with the kernel's step replaced by the
+    specification's step passed through `wrong(state, y) -> (state, y)`; B = 1, F = 36."""
+    def step(state, q, k, v, log_g, p, *, interpret):
+        return wrong(*reference.recurrent_step(state, q, k, v, log_g, p))
+    monkeypatch.setattr(decode_kernel, "decode_step", step)
     api._decode_step.clear_cache()
     try:
-        rows = testing.check_decode(rng, "pallas", b=1, hq=2, hk=2, d=8, e=16, p=2,
+        return testing.check_decode(rng, "pallas", b=1, hq=2, hk=2, d=8, e=16, p=2,
                                     dtype="float32")
     finally:
         api._decode_step.clear_cache()
+
+
+def test_the_decode_check_fails_a_wrong_step(rng, monkeypatch):
+    """check_decode can fail: a step that forgets the gate on z is caught."""
+    rows = _check_a_wrong_step(rng, monkeypatch,
+                               lambda state, y: (state._replace(z=state.z * 1.001), y))
     assert not dict((name, ok) for name, *_, ok in rows)["z"]
 
 
 def test_the_decode_check_fails_a_wrong_readout_at_the_float32_tolerance(rng, monkeypatch):
     """A float32 y off by 1e-4 of its size fails; the bound stays TOL_DECODE_Y where the
     float32 specification itself is accurate (F = 36: it is not widened by its error)."""
-    def off(state, q, k, v, log_g, p, *, interpret):
-        state, y = reference.recurrent_step(state, q, k, v, log_g, p)
-        return state, y * (1 + 1e-4)
-    monkeypatch.setattr(decode_kernel, "decode_step", off)
-    api._decode_step.clear_cache()
-    try:
-        rows = testing.check_decode(rng, "pallas", b=1, hq=2, hk=2, d=8, e=16, p=2,
-                                    dtype="float32")
-    finally:
-        api._decode_step.clear_cache()
+    rows = _check_a_wrong_step(rng, monkeypatch, lambda state, y: (state, y * (1 + 1e-4)))
     name, err, tol, ok = rows[-1]
     assert name == "y" and not ok and err > 5e-5
     assert tol == testing.TOL_DECODE_Y["float32"]
