@@ -337,6 +337,7 @@ def check_decode(rng, impl: str, *, b: int, hq: int, hk: int, d: int, e: int, p:
     got = decode_prompt_state(rng, p=p, length=prompt, **shape)
     with float64_enabled():
         want = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), got)
+    conditioned = jnp.dtype(dtype) == jnp.float32  # y bounded by the specification's error
     spec = got
     worst = {"s": 0.0, "z": 0.0, "y": 0.0}
     spec_y = 0.0  # the float32 specification's own error of y
@@ -344,7 +345,8 @@ def check_decode(rng, impl: str, *, b: int, hq: int, hk: int, d: int, e: int, p:
     for _ in range(steps):
         token = decode_token(rng, hq=hq, dtype=jnp.dtype(dtype), gated=gated, **shape)
         got, y = decode_step(got, *token, p=p, impl=impl)
-        spec, y_spec = decode_step(spec, *token, p=p, impl="reference")
+        if conditioned:
+            spec, y_spec = decode_step(spec, *token, p=p, impl="reference")
         with float64_enabled():
             wide = [None if x is None else jnp.asarray(x, jnp.float64) for x in token]
             want, y_ref = decode_step(want, *wide, p=p, impl="reference")
@@ -353,8 +355,8 @@ def check_decode(rng, impl: str, *, b: int, hq: int, hk: int, d: int, e: int, p:
         for name, x, x_ref in (("s", got.s, want.s), ("z", got.z, want.z), ("y", y, y_ref)):
             finite &= bool(np.all(np.isfinite(np.asarray(x, np.float32))))
             worst[name] = max(worst[name], _err_per_largest(x, x_ref))
-        spec_y = max(spec_y, _err_per_largest(y_spec, y_ref))
-    tols = {"s": TOL_DECODE_STATE, "z": TOL_DECODE_STATE, "y": TOL_DECODE_Y[dtype]}
-    if jnp.dtype(dtype) == jnp.float32:
-        tols["y"] = max(tols["y"], K_CONDITIONING * spec_y)
+        if conditioned:
+            spec_y = max(spec_y, _err_per_largest(y_spec, y_ref))
+    tols = {"s": TOL_DECODE_STATE, "z": TOL_DECODE_STATE,
+            "y": max(TOL_DECODE_Y[dtype], K_CONDITIONING * spec_y)}
     return [(name, err, tols[name], finite and err <= tols[name]) for name, err in worst.items()]
