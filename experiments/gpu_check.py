@@ -140,10 +140,8 @@ def check_precision(testing, impl, history: str, t: int):
 
 
 def check_decode(testing, rng, **case):
-    """Rows (output, err, note, ok) of the fused decoding step against the specification
-    (float32 y's bound at least 3x the float32 specification's own error: the note gives
-    it)."""
-    return [(n, e, f"tol {tol:.3g}", ok)
+    """Rows (output, err, note, ok) of the fused decoding step against the specification."""
+    return [(n, e, f"tol {tol:.0e}", ok)
             for n, e, tol, ok in testing.check_decode(rng, "pallas", **case)]
 
 

@@ -53,8 +53,8 @@ def test_the_decode_check_fails_a_wrong_step(rng, monkeypatch):
 
 
 def test_the_decode_check_fails_a_wrong_readout_at_the_float32_tolerance(rng, monkeypatch):
-    """A float32 y off by 1e-4 of its size fails; the bound stays TOL_DECODE_Y where the
-    float32 specification itself is accurate (F = 36: it is not widened by its error)."""
+    """check_decode can fail on y alone: a float32 y off by 1e-4 of its size is over
+    TOL_DECODE_Y."""
     rows = _check_a_wrong_step(rng, monkeypatch, lambda state, y: (state, y * (1 + 1e-4)))
     name, err, tol, ok = rows[-1]
     assert name == "y" and not ok and err > 5e-5
