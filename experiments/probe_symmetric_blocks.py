@@ -40,15 +40,6 @@ BLOCK = 16  # the symmetric layout's block of i and of j
 LAYOUTS = {"square": (0, 0, 0, 0), "blocks": (0, 16, 32, 48)}  # K's start for i // 16
 
 
-def _smem(swizzle: int):
-    """A [64, 64] bf16 tile in shared memory, `swizzle`-byte swizzled."""
-    import jax.numpy as jnp
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.SMEM((ROWS, ROWS), jnp.bfloat16, transforms=(
-        plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
-
-
 def _one_program(body, scratch, out_width: int = ROWS):
     """A one-warpgroup kernel: fn(*args) -> float32 [64, out_width] through `body`."""
     import jax
@@ -133,7 +124,8 @@ def sliced_product(start: int, swizzle: int = 32):
         _product_to(out_ref, out_smem, x * by_rows(col, (ROWS, k)),
                     s_smem.at[pl.ds(start, k)])
 
-    return _one_program(body, [_smem(swizzle), plgpu.SMEM((ROWS,), bf16), _smem(swizzle),
+    tile = swizzled((ROWS, ROWS), bf16, swizzle)
+    return _one_program(body, [tile, plgpu.SMEM((ROWS,), bf16), tile,
                                swizzled((ROWS, ROWS), jnp.float32),
                                plgpu.Barrier(num_barriers=3)])
 
@@ -153,6 +145,7 @@ def rate_kernel(layout: str, swizzle: int):
     from sympow.attention.mosaic_gpu.blocks import ROW_VECTOR, WGMMA, by_rows, swizzled
 
     bf16, starts = jnp.bfloat16, LAYOUTS[layout]
+    tile = swizzled((ROWS, ROWS), bf16, swizzle)
 
     def body(x_ref, col_ref, s_ref, out_ref, x_smem, col_smem, s_smem, out_smem, bars):
         _copy_in(((x_ref, x_smem), (col_ref, col_smem), (s_ref, s_smem)), bars)
@@ -184,7 +177,7 @@ def rate_kernel(layout: str, swizzle: int):
 
     return jax.jit(plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((_PROGRAMS.value * ROWS, ROWS), jnp.float32),
-        scratch_types=[_smem(swizzle), plgpu.SMEM((ROWS, ROWS), bf16), _smem(swizzle),
+        scratch_types=[tile, plgpu.SMEM((ROWS, ROWS), bf16), tile,
                        swizzled((ROWS, ROWS), jnp.float32), plgpu.Barrier(num_barriers=3)],
         grid=(_PROGRAMS.value,), grid_names=("program",),
         compiler_params=plgpu.CompilerParams(

@@ -31,10 +31,11 @@ COL_VECTOR = WGMMA.reduce(0)  # one value per column
 SQUARE = (ROWS, ROWS)
 
 
-def swizzled(shape, dtype) -> plgpu.SMEM:
-    """Shared memory for a TMA / wgmma tile: 128-byte swizzle with the tiling it implies."""
+def swizzled(shape, dtype, max_swizzle: int = 128) -> plgpu.SMEM:
+    """Shared memory for a TMA / wgmma tile: the widest swizzle up to max_swizzle bytes the
+    rows allow (128 for the tier's kernels), with the tiling it implies."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
+    swizzle = min(max_swizzle, shape[-1] * itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
