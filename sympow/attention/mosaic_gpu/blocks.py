@@ -40,22 +40,16 @@ def swizzled(shape, dtype, max_swizzle: int = 128) -> plgpu.SMEM:
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def tile(width: int, dtype=jnp.bfloat16, max_swizzle: int = 128):
-    """A [ROWS, width] block for the tensor cores (a `Ring` array spec), swizzled at up to
-    max_swizzle bytes (a wgmma takes K in multiples of the swizzle's width: a product over
-    a slice of the block's rows needs 32 bytes, 16 bf16 columns)."""
-    return (ROWS, width), dtype, max_swizzle
+def tile(width: int, dtype=jnp.bfloat16):
+    """A [ROWS, width] block for the tensor cores (a `Ring` array spec)."""
+    return (ROWS, width), dtype, True
 
 
 VECTOR = ((ROWS,), jnp.float32, False)  # a [ROWS] float32 block (a `Ring` array spec)
 
 
-def smem(shape, dtype, tiled: bool | int) -> plgpu.SMEM:
-    """Shared memory of a (shape, dtype, tiled) spec: tiled False for a plain array, True
-    for a `swizzled` tile, or a swizzle cap in bytes (`tile`)."""
-    if tiled is False:
-        return plgpu.SMEM(shape, dtype)
-    return swizzled(shape, dtype, 128 if tiled is True else tiled)
+def smem(shape, dtype, tiled: bool) -> plgpu.SMEM:
+    return swizzled(shape, dtype) if tiled else plgpu.SMEM(shape, dtype)
 
 
 def by_rows(x, shape=SQUARE):
@@ -219,19 +213,14 @@ class Ring:
         return self.arrays[0].shape[0]
 
     @staticmethod
-    def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None,
-                pieces: Sequence[int] | None = None):
+    def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None):
         """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
         dtype, tiled): `tile`, `VECTOR`), one barrier ring per group of array indices
-        (default: one group per array). pieces: the copies `fill` makes into each array a
-        step (default 1 each); a group's barrier takes one arrival per copy."""
+        (default: one group per array)."""
         groups = _partition(len(specs), groups)
-        pieces = (1,) * len(specs) if pieces is None else tuple(pieces)
-        if len(pieces) != len(specs) or min(pieces) < 1:
-            raise ValueError(f"pieces: one count >= 1 per array ({len(specs)}); got {pieces}")
         arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
-        loaded = tuple(plgpu.Barrier(num_arrivals=sum(pieces[i] for i in group),
-                                     num_barriers=stages) for group in groups)
+        loaded = tuple(plgpu.Barrier(num_arrivals=len(group), num_barriers=stages)
+                       for group in groups)
         return arrays, loaded, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
 
     @staticmethod
@@ -246,25 +235,18 @@ class Ring:
     def _group_of(self, index: int) -> int:
         return next(g for g, group in enumerate(self.groups) if index in group)
 
-    def fill(self, steps, sources: Callable, start: int = 0) -> None:
-        """Memory warpgroup: the blocks `sources(step)` of steps start .. steps - 1, each
-        into slot step % stages once both consumers freed it (the steps before `stages`
-        need no wait). sources gives one entry per array: a GMEM ref filling the slot,
-        (GMEM ref, rows) filling the slot's rows (a pl.ds), or a list of such pairs (as many
-        as the array's `pieces` in `scratch`). A walk whose block shapes change along the
-        way fills one static segment of steps at a time (start = where it begins)."""
+    def fill(self, steps, sources: Callable) -> None:
+        """Memory warpgroup: the blocks `sources(step)` (GMEM refs, one per array) of steps
+        0 .. steps - 1, each into slot step % stages once both consumers freed it."""
         def fetch(step, slot):
-            for index, (entry, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
+            for index, (src, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
                 barrier = self.loaded[self._group_of(index)]
-                for piece in entry if isinstance(entry, list) else [entry]:
-                    src, rows = piece if isinstance(piece, tuple) else (piece, None)
-                    target = dst.at[slot] if rows is None else dst.at[slot, rows]
-                    plgpu.copy_gmem_to_smem(src, target, barrier.at[slot])
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
-        for step in range(start, self.stages):
+        for step in range(self.stages):
             pl.when(step < steps)(lambda step=step: fetch(step, step))
 
-        @pl.loop(max(start, self.stages), steps)
+        @pl.loop(self.stages, steps)
         def _refill(step):
             slot = lax.rem(step, self.stages)
             plgpu.barrier_wait(self.freed.at[slot])

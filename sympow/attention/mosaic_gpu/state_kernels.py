@@ -27,17 +27,12 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
   warpgroup accumulating its per_wg blocks S_i in registers (per_wg = 256 / E).
 - state_to_rows: one program per (128 or 256 rows, chunk, head); each warpgroup holds its
   one or two 64-row blocks of x (or a) and col; the ring walks the D blocks S_i of the
-  chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks. y
-  (not transposed) reads only the upper 16 x 16 blocks of the symmetric S, the others'
-  mirrors counted twice (`upper_pieces`: 62.5 % of the products and of the bytes); the
-  transposed form reads all of S_i (the row gradients need both triangles of S, and the
-  square layout's symmetry is what lets them use one transposed product).
+  chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks.
 Every operand of a step is built before the step's products are issued (`products`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -61,7 +56,6 @@ from sympow.attention.mosaic_gpu.blocks import (
     Ring,
     by_cols,
     by_rows,
-    indices,
     launch,
     load_own,
     own_scratch,
@@ -73,7 +67,6 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
-BLOCK = 16  # state_to_rows' symmetric blocks of (i, j) (`upper_pieces`)
 # Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
 # barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
 SHARED_MEMORY = (227 - 4) * 1024
@@ -86,17 +79,6 @@ def _bytes(shape, dtype) -> int:
 def features_per_warpgroup(e: int) -> int:
     """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
     return ACC_COLUMNS // e
-
-
-def upper_pieces(lo: int, d: int) -> list[tuple[int, int, int]]:
-    """(start, stop, weight) per piece of the columns j that y = phi(u) S reads of the
-    blocks S_i, i in [lo, lo + BLOCK), when S is symmetric in (i, j): the diagonal block
-    (j in [lo, lo + BLOCK)) once, the blocks right of it twice (each stands for its mirror
-    (j, i) too), the blocks left of it not at all (their mirrors stand for them). Every
-    product keeps the wgmma's shapes (K = 16 and d - lo - 16): 62.5 % of the square
-    layout's products at d = 64, and of the state's bytes read."""
-    pieces = [(lo, lo + BLOCK, 1)]
-    return pieces + [(lo + BLOCK, d, 2)] if lo + BLOCK < d else pieces
 
 
 def products(acc_refs, operands, rhs) -> None:
@@ -113,36 +95,6 @@ def products(acc_refs, operands, rhs) -> None:
     plgpu.wgmma_wait(0)
 
 
-class PackedTile(NamedTuple):
-    """One kind of rows_to_state tile: the M = 64 rows of a wgmma hold the rows j >= 16 (i //
-    16) of S_i (the upper blocks of the symmetric S) for one feature row i, or for two (i
-    and i' = i + pair, when each has fewer than 64), as four 16-row pieces."""
-
-    first: int  # the kind's first feature row i
-    count: int  # its rows i: one tile each
-    pair: int  # i' - i of the second row in a tile (0: none)
-    split: int  # tile rows m < split belong to i, the others to i'
-    starts: tuple[int, ...]  # j of each 16-row piece's first row
-
-    def owners(self) -> tuple[int, ...]:
-        """Per piece, the offset of its feature row from the tile's i (0 or pair)."""
-        return tuple(0 if p * BLOCK < self.split else self.pair for p in range(len(self.starts)))
-
-    def mirrored(self) -> tuple[bool, ...]:
-        """Per piece, whether it lies right of the diagonal block and so also stands for
-        its mirror (rows (j, i) of S), which the kernel writes too."""
-        return tuple(j // BLOCK > (self.first + owner) // BLOCK
-                     for j, owner in zip(self.starts, self.owners(), strict=True))
-
-
-# d = 64: the blocks (a, b >= a) of rows i // 16 = a, in 40 tiles instead of 64. The rows of
-# i < 16 fill a tile each; i in [16, 32) (48 rows) share one with i + 32 (16); i in [32, 40)
-# and i + 8 (32 each) share one.
-PACKED_TILES = (PackedTile(0, 16, 0, 64, (0, 16, 32, 48)),
-                PackedTile(16, 16, 32, 48, (16, 32, 48, 48)),
-                PackedTile(32, 8, 8, 32, (32, 48, 32, 48)))
-
-
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
                   slot_offset: int = 0):
     """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
@@ -152,10 +104,6 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
     of TILE_ROWS, D = DIM.
-
-    S is symmetric in (i, j): the kernel computes the upper blocks (`PACKED_TILES`, 62.5 %
-    of the products) and writes each piece right of the diagonal block to its mirror too,
-    so that S[(j, i)] holds the sum computed for (i, j) (equal up to col's bf16 rounding).
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
@@ -165,30 +113,12 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
     steps = groups * row_blocks
-    # This program's tiles: (kind, its first i) per program, and the values that vary.
-    programs = [(kind, kind.first + q * per_program) for kind in PACKED_TILES
-                for q in range(kind.count // per_program)]
-    if any(kind.count % per_program for kind in PACKED_TILES):
-        raise ValueError(f"e={e}: {per_program} tiles a program do not divide each kind's")
-    pieces = len(PACKED_TILES[0].starts)
 
     def kernel(xt_ref, col_ref, a_ref, s_ref, ring_arrays, ring_loaded, ring_freed, out):
         ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, hk, chunk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads), lax.axis_index("chunk")
-        program = lax.axis_index("features")
-
-        def pick(values):
-            """This program's entry of a list of ints, one per program."""
-            picked = jnp.int32(values[-1])
-            for index in range(len(values) - 2, -1, -1):
-                picked = jnp.where(program == index, jnp.int32(values[index]), picked)
-            return picked
-
-        first = pick([i for _, i in programs])  # the tiles' i, then their i'
-        second = pick([i + kind.pair for kind, i in programs])
-        split = pick([kind.split for kind, _ in programs])
-        starts = [pick([kind.starts[p] for kind, _ in programs]) for p in range(pieces)]
+        first = lax.axis_index("features") * per_program  # this program's first i
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -197,17 +127,12 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             def accumulate_all(*acc_refs):
                 def visit(step, _):
                     slot = ring.slot(step)
-                    xt_block = plgpu.load(ring.wait(slot, 0)[0], (), layout=WGMMA)  # [64, ROWS]
-                    (col_rows,) = ring.wait(slot, 1)  # [2 per_program, ROWS]: i's, then i''s
-                    of_first = indices()[0] < split  # tile rows of i (the others: i')
-                    operands = []
-                    for t in range(per_wg):
-                        ci, ci2 = (plgpu.load(col_rows.at[k * per_program + wg * per_wg + t],
-                                              (), layout=COL_VECTOR).astype(BF16)
-                                   for k in range(2))
-                        operands.append(xt_block * jnp.where(of_first, by_cols(ci),
-                                                             by_cols(ci2)))
-                    products(acc_refs, operands, list(ring.wait(slot, 2)) * per_wg)
+                    xt_block = plgpu.load(ring.wait(slot, 0)[0], (), layout=WGMMA)  # [D, ROWS]
+                    (col_rows,) = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of the block
+                    scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
+                              for t in range(per_wg)]
+                    products(acc_refs, [xt_block * by_cols(x.astype(BF16)) for x in scales],
+                             list(ring.wait(slot, 2)) * per_wg)
                     ring.release(slot)
 
                 lax.fori_loop(0, steps, visit, None)
@@ -217,15 +142,10 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             for t, acc in enumerate(accs):
                 out.at[wg, t][...] = acc.astype(BF16)
             plgpu.commit_smem()
-            state = s_ref.at[(bi * kv_heads + hk) * slots + chunk + slot_offset]  # [D, D, E]
             for t in range(per_wg):
-                for p in range(pieces):
-                    piece = out.at[wg, t, pl.ds(p * BLOCK, BLOCK)]
-                    i = jnp.where(p * BLOCK < split, first, second) + wg * per_wg + t
-                    plgpu.copy_smem_to_gmem(piece, state.at[i, pl.ds(starts[p], BLOCK)])
-                    mirrored = pick([int(kind.mirrored()[p]) for kind, _ in programs])
-                    pl.when(mirrored == 1)(lambda piece=piece, i=i, p=p: plgpu.copy_smem_to_gmem(
-                        piece, state.at[pl.ds(starts[p], BLOCK), i]))
+                i = first + wg * per_wg + t
+                plgpu.copy_smem_to_gmem(out.at[wg, t],
+                                        s_ref.at[bi, hk, chunk + slot_offset, pl.ds(i * d, d)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -235,24 +155,19 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             def sources(step):
                 h = hk * groups + lax.div(step, row_blocks)
                 rows = pl.ds(lax.rem(step, row_blocks) * ROWS, ROWS)
-                return ([(xt_ref.at[bi, h, chunk, pl.ds(start, BLOCK), rows],
-                          pl.ds(p * BLOCK, BLOCK)) for p, start in enumerate(starts)],
-                        [(col_ref.at[bi, h, chunk, pl.ds(i, per_program), rows],
-                          pl.ds(k * per_program, per_program))
-                         for k, i in enumerate((first, second))],
+                return (xt_ref.at[bi, h, chunk, :, rows],
+                        col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
                         a_ref.at[bi, h, chunk, rows])
 
             ring.fill(steps, sources)
 
-    ring = Ring.scratch([tile(ROWS), ((2 * per_program, ROWS), col.dtype, False), tile(e)],
-                        stages, pieces=(pieces, 2, 1))
-    s = launch(
+    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
+    return launch(
         kernel, name="sympow_states_rows_to_state",
-        out_type=jax.ShapeDtypeStruct((b * kv_heads * slots, d, d, e), BF16),
+        out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
-        grid=(len(programs), n, b * kv_heads), grid_names=("features", "chunk", "bh"),
+        grid=(d // per_program, n, b * kv_heads), grid_names=("features", "chunk", "bh"),
         args=(xt, col, a))
-    return s.reshape(b, kv_heads, slots, d * d, e)
 
 
 def _check_slots(slots: int, n: int, slot_offset: int) -> None:
@@ -281,11 +196,6 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
     den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
-
-    Not transposed, S must be symmetric in (i, j), as every state and state cotangent of
-    the tier is: the kernel reads the blocks of `upper_pieces` only (rows j >= 16 (i // 16)
-    of each S_i, the mirrored ones counted twice), so an asymmetric S gives the sum of its
-    symmetric part.
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
@@ -350,12 +260,6 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # Ring slots: as many as fit (up to 3) beside the own blocks, the outputs and Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(3, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
-    # The ring: per_step blocks S_i a slot. y reads only the upper blocks of each
-    # (`upper_pieces`): one array per block (each copy lands at its row 0), swizzled at 32
-    # bytes so that products over 16-row slices of it lower.
-    upper = not transposed
-    ring_layout = (([tile(e, max_swizzle=32)] * per_step, stages, [tuple(range(per_step))])
-                   if upper else ([((per_step * d, e), BF16, True)], stages, None))
 
     def kernel(*refs):
         refs = list(refs)
@@ -367,7 +271,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             len(inputs) + len(out_type):]
         parts_smem, parts_bar = rest[:2] if quadratic else (None, None)
         outs = rest[len(parts_scratch):]
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_layout[2])
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
         kv = lax.div(h, groups)
@@ -386,36 +290,22 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
-                def visit(step, _, lo=None):  # blocks S_i, i = per_step step + u
+                def visit(step, _):  # blocks S_i, i = per_step step + u
                     slot = ring.slot(step)
-                    slabs = ring.wait(slot, 0)  # upper: S_i[lo:] at row 0 of each [D, E]
-                    if lo is None:  # one [per_step D, E] slab of whole blocks
-                        slabs = [slabs[0].at[pl.ds(u * d, d)] for u in range(per_step)]
-                    accs, operands, rhs = [], [], []
-                    for u, slab in enumerate(slabs):
+                    (slab,) = ring.wait(slot, 0)  # [per_step D, E]
+                    operands, rhs = [], []
+                    for u in range(per_step):
+                        block = slab.at[pl.ds(u * d, d)]  # S_i [D, E]
                         i = step * per_step + u
-                        for acc_ref, base, r in zip(acc_refs, bases, blocks, strict=True):
-                            x = plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
-                            x = x.astype(BF16)
-                            if lo is None:  # the whole block
-                                pieces = [(base, x, slab.transpose((1, 0)) if transposed
-                                           else slab)]
-                            else:  # base's columns j of each piece against S_i's rows j
-                                pieces = [(base[:, start:stop], weight * x,
-                                           slab.at[pl.ds(start - lo, stop - start)])
-                                          for start, stop, weight in upper_pieces(lo, d)]
-                            for rows_, scale, block in pieces:
-                                operands.append(rows_ * by_rows(scale, rows_.shape))
-                                rhs.append(block)
-                                accs.append(acc_ref)
-                    products(accs, operands, rhs)
+                        scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
+                                  for r in blocks]
+                        operands += [base * by_rows(x.astype(BF16), base.shape)
+                                     for base, x in zip(bases, scales, strict=True)]
+                        rhs += [block.transpose((1, 0)) if transposed else block] * sub
+                    products(acc_refs * per_step, operands, rhs)
                     ring.release(slot)
 
-                if not upper:
-                    lax.fori_loop(0, d // per_step, visit, None)
-                for lo in range(0, d, BLOCK) if upper else ():
-                    lax.fori_loop(lo // per_step, (lo + BLOCK) // per_step,
-                                  functools.partial(visit, lo=lo), None)
+                lax.fori_loop(0, d // per_step, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
             accs = pl.run_scoped(accumulate_all,
@@ -445,17 +335,11 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             if quadratic:
                 plgpu.copy_gmem_to_smem(parts_ref.at[bi, kv, chunk], parts_smem, parts_bar.at[0])
-            state = s_ref.at[bi, kv, chunk + slot_offset]
-            if not upper:
-                ring.fill(d // per_step, lambda step: (
-                    state.at[pl.ds(step * per_step * d, per_step * d)],))
-            for lo in range(0, d, BLOCK) if upper else ():  # rows j >= lo of S_i, to row 0
-                ring.fill((lo + BLOCK) // per_step, lambda step, lo=lo: tuple(
-                    (state.at[pl.ds((step * per_step + u) * d + lo, d - lo)], pl.ds(0, d - lo))
-                    for u in range(per_step)), start=lo // per_step)
+            ring.fill(d // per_step, lambda step: (
+                s_ref.at[bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
 
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
-    ring = Ring.scratch(*ring_layout)
+    ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
     name = "row_gradients" if gradient else "state_to_rows"
     result = launch(
         kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",

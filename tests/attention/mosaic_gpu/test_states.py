@@ -159,56 +159,6 @@ def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
     assert testing.rel_err(dls, grad_ls) < 1e-5
 
 
-def _upper_sum(u, s):
-    """phi(u) S [E] for one row u [D] and a square state s [D, D, E], summed as the
-    state_to_rows kernel does: the pieces of `upper_pieces` of each block of 16 rows i."""
-    total = 0.0
-    for lo in range(0, D, state_kernels.BLOCK):
-        for start, stop, weight in state_kernels.upper_pieces(lo, D):
-            block = s[lo:lo + state_kernels.BLOCK, start:stop]  # [16 i, stop - start j, E]
-            total = total + weight * np.einsum("i,j,ije->e", u[lo:lo + state_kernels.BLOCK],
-                                               u[start:stop], block)
-    return total
-
-
-def test_the_upper_blocks_are_the_square_sum_for_a_symmetric_state(rng):
-    u = rng.normal(size=D)
-    s = rng.normal(size=(D, D, 3))
-    symmetric = s + np.swapaxes(s, 0, 1)
-    want = np.einsum("i,j,ije->e", u, u, symmetric)
-    np.testing.assert_allclose(_upper_sum(u, symmetric), want, rtol=1e-12)
-    # the blocks left of the diagonal are not read: an asymmetric state's sum is not its own
-    lower_only = np.tril(np.ones((D, D)), -state_kernels.BLOCK)[..., None] * s
-    assert np.all(_upper_sum(u, lower_only) == 0.0)
-    assert np.any(np.einsum("i,j,ije->e", u, u, lower_only) != 0.0)
-    # the pieces cover each block (a, b >= a) once: 10 of 16 at D = 64 (62.5 %)
-    covered = sum((stop - start) * state_kernels.BLOCK for lo in range(0, D, state_kernels.BLOCK)
-                  for start, stop, _ in state_kernels.upper_pieces(lo, D))
-    assert covered == 10 * state_kernels.BLOCK ** 2
-
-
-def test_the_packed_tiles_write_every_entry_of_the_square_state_once():
-    """rows_to_state's tiles, simulated: each piece's rows go to S[(i, j)] and, right of
-    the diagonal block, to S[(j, i)]; together every entry once, from 40 tiles of 64 rows
-    (62.5 % of the square layout's 64) holding each upper-block pair (i, j) once."""
-    writes = np.zeros((D, D), int)
-    computed = np.zeros((D, D), int)  # the (i, j) each tile row computes
-    tiles = 0
-    for kind in state_kernels.PACKED_TILES:
-        for i in range(kind.first, kind.first + kind.count):
-            tiles += 1
-            for start, owner, mirrored in zip(kind.starts, kind.owners(), kind.mirrored(),
-                                              strict=True):
-                js = slice(start, start + state_kernels.BLOCK)
-                computed[i + owner, js] += 1
-                writes[i + owner, js] += 1
-                writes[js, i + owner] += mirrored
-    assert tiles == 40
-    assert np.all(writes == 1)
-    block = np.arange(D) // state_kernels.BLOCK
-    np.testing.assert_array_equal(computed, block[:, None] <= block[None, :])
-
-
 def _symmetric_state(rng, b, hk, n, e):
     rows = jnp.asarray(rng.normal(size=(b, hk, n, 16, D)), F32)
     return jnp.einsum("bhncf,bhnce->bhnfe", phi(rows),
