@@ -13,6 +13,15 @@ product as the backward runs it), and of the last two with the normalizer's quad
 `states.COLUMNS_DTYPE`, T = --t, H = --heads, chunk --chunk, d = e = 64), with median timings;
 with --primitives, the tier's update_state and query_state, forward and backward, as
 jitted programs (their XLA glue included), for a per-kernel summary of each.
+
+Ring depths: --stages=2,3,4 times each kernel once per depth of its ring (`stages`; '' is
+the kernel's default), all variants in turns in one process (`timed_interleaved`: their
+ratios free of the machine's drift), to tell whether a kernel waits on its copies:
+
+  PYTHONPATH=. python3 experiments/profile_states.py --stages=,2,4 --reps=30
+
+--lower only lowers each variant for CUDA and names it (no GPU needed: what a CPU test
+runs before a GPU call is spent on it).
 """
 
 import sys
@@ -21,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import timed  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import timed, timed_interleaved  # noqa: E402  (experiments/timing.py, beside this script)
 
 _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
@@ -29,6 +38,8 @@ _CHUNK = flags.DEFINE_integer("chunk", 512, "chunk")
 _REPS = flags.DEFINE_integer("reps", 5, "timed launches of each kernel")
 _PRIMITIVES = flags.DEFINE_bool("primitives", False, "run the tier's state primitives, "
                                 "forward and backward, instead of the bare kernels")
+_STAGES = flags.DEFINE_list("stages", [""], "ring depths of each kernel ('' its default)")
+_LOWER = flags.DEFINE_bool("lower", False, "only lower each kernel variant for CUDA")
 
 
 def primitives(reps: int) -> None:
@@ -62,11 +73,9 @@ def primitives(reps: int) -> None:
         print(f"{name:16s} fwd+bwd {ms:7.3f} ms (median of {reps})", flush=True)
 
 
-def main(argv):
-    del argv
-    if _PRIMITIVES.value:
-        primitives(_REPS.value)
-        return
+def kernel_variants(stages: list[str]):
+    """[(name, jitted fn, argument shapes and dtypes)]: each bare kernel at each ring depth
+    ('' the kernel's default; a depth adds '@stages=N' to the name)."""
     import jax
     import jax.numpy as jnp
 
@@ -75,30 +84,66 @@ def main(argv):
 
     d = e = sk.DIM
     n, c, h = _T.value // _CHUNK.value, _CHUNK.value, _HEADS.value
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    x = jax.random.normal(keys[0], (1, h, n, c, d), jnp.bfloat16) / 8
-    a = jax.random.normal(keys[1], (1, h, n, c, e), jnp.bfloat16)
-    s = jax.random.normal(keys[2], (1, h, n, d * d, e), jnp.bfloat16)
-    xt = jnp.swapaxes(x, -1, -2)
-    col = xt.astype(states.COLUMNS_DTYPE)  # ls = 0
-    normalizer = sk.Normalizer(states.z_parts(jnp.ones((1, h, n, d * d), jnp.float32)),
-                               jnp.ones((1, h, n, c), jnp.float32))
-    kernels = {
-        "rows_to_state": (jax.jit(lambda *z: sk.rows_to_state(*z, kv_heads=h)), (xt, col, a)),
-        "state_to_rows": (jax.jit(lambda *z: sk.state_to_rows(*z, transposed=False)),
-                          (x, col, s)),
-        "row_gradients": (jax.jit(sk.row_gradients), (a, x, col, s)),
-        # with the normalizer's quadratic form, as the tier runs them
-        "state_to_rows_z": (jax.jit(lambda *z: sk.state_to_rows(
-            *z[:3], transposed=False, normalizer=z[3])), (x, col, s, normalizer)),
-        "row_gradients_z": (jax.jit(lambda *z: sk.row_gradients(*z[:4], normalizer=z[4])),
-                            (a, x, col, s, normalizer)),
-    }
-    flop = 2 * h * _T.value * d * d * e
-    for name, (fn, args) in kernels.items():
-        ms = timed(fn, *args, reps=_REPS.value, warmup=1)
-        print(f"{name:16s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
-              f"{_REPS.value})", flush=True)
+    bf16, col = jnp.bfloat16, jnp.dtype(states.COLUMNS_DTYPE)
+    x, a, xt = ((1, h, n, c, d), bf16), ((1, h, n, c, e), bf16), ((1, h, n, d, c), bf16)
+    s, cols = ((1, h, n, d * d, e), bf16), ((1, h, n, d, c), col)
+    parts, weights = ((1, h, n, 3 * d, d), bf16), ((1, h, n, c), jnp.float32)
+    if any(depth and not (depth.isdigit() and int(depth) > 0) for depth in stages):
+        raise ValueError(f"--stages: ring depths are positive integers or ''; got {stages}")
+    variants = []
+    for depth in stages:
+        kw = {"stages": int(depth)} if depth else {}
+        suffix = f"@stages={depth}" if depth else ""
+        variants += [
+            ("rows_to_state" + suffix,
+             jax.jit(lambda *z, kw=kw: sk.rows_to_state(*z, kv_heads=h, **kw)), (xt, cols, a)),
+            ("state_to_rows" + suffix,
+             jax.jit(lambda *z, kw=kw: sk.state_to_rows(*z, transposed=False, **kw)),
+             (x, cols, s)),
+            ("row_gradients" + suffix, jax.jit(lambda *z, kw=kw: sk.row_gradients(*z, **kw)),
+             (a, x, cols, s)),
+            # with the normalizer's quadratic form, as the tier runs them
+            ("state_to_rows_z" + suffix, jax.jit(lambda *z, kw=kw: sk.state_to_rows(
+                *z[:3], transposed=False, normalizer=sk.Normalizer(*z[3:]), **kw)),
+             (x, cols, s, parts, weights)),
+            ("row_gradients_z" + suffix, jax.jit(lambda *z, kw=kw: sk.row_gradients(
+                *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw)), (a, x, cols, s, parts, weights))]
+    return variants
+
+
+def arguments(shapes, key):
+    """Random arrays of (shape, dtype) pairs: rows scaled as the tier's keys are (1/8), Z's
+    parts and the weights small and positive."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(key, len(shapes))
+    return tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype) / 8
+                 for k, (shape, dtype) in zip(keys, shapes, strict=True))
+
+
+def main(argv):
+    del argv
+    if _PRIMITIVES.value:
+        primitives(_REPS.value)
+        return
+    import jax
+
+    variants = kernel_variants(_STAGES.value)
+    if _LOWER.value:
+        for name, fn, shapes in variants:
+            specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+            text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            print(f"{name:28s} lowers to {text.count('@mosaic_gpu')} Mosaic GPU kernel(s)")
+        return
+    key = jax.random.PRNGKey(0)
+    calls = [(fn, arguments(shapes, jax.random.fold_in(key, index)))
+             for index, (_, fn, shapes) in enumerate(variants)]
+    flop = 2 * _HEADS.value * _T.value * 64 * 64 * 64
+    times = timed_interleaved(calls, reps=_REPS.value)
+    for (name, _, _), ms in zip(variants, times, strict=True):
+        print(f"{name:28s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
+              f"{_REPS.value}, in turns)", flush=True)
 
 
 if __name__ == "__main__":
