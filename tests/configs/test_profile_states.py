@@ -22,3 +22,13 @@ def test_a_ring_depth_that_is_not_a_positive_integer_is_refused():
     done = run(SCRIPT, "--lower", "--t=1024", "--chunk=512", "--stages=2,0")
     assert done.returncode != 0
     assert "--stages: ring depths are positive integers" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_variant_that_does_not_run_is_named_and_the_others_still_timed():
+    """On the CPU no Mosaic GPU kernel runs: every variant is reported with its error, and
+    the run ends normally (on a GPU, a ring deeper than shared memory holds is such a
+    variant)."""
+    done = run(SCRIPT, "--t=1024", "--chunk=512", "--stages=,2", "--reps=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    failed = [line.split()[0] for line in done.stdout.splitlines() if "does not run" in line]
+    assert failed == [*KERNELS, *(f"{k}@stages=2" for k in KERNELS)], done.stdout
