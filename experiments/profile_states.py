@@ -14,18 +14,22 @@ product as the backward runs it), and of the last two with the normalizer's quad
 with --primitives, the tier's update_state and query_state, forward and backward, as
 jitted programs (their XLA glue included), for a per-kernel summary of each.
 
-Ring depths: --stages=2,3,4 times each kernel once per depth of its ring (`stages`; '' is
-the kernel's default), all variants in turns in one process (`timed_interleaved`: their
-ratios free of the machine's drift), to tell whether a kernel waits on its copies; a
-variant that does not run (a ring deeper than shared memory holds) is named with its error
-and left out:
+Variants: --options=stages=2,stages=4,chunks_per_program=2 times each kernel at its
+defaults and under each entry whose keywords it takes (`stages`: its ring's depth;
+`chunks_per_program`: rows_to_state's chunks a program), all in turns in one process
+(`timed_interleaved`: their ratios free of the machine's drift), to tell whether a kernel
+waits on its copies or on its fixed cost a program. Each variant's output is compared with
+the default's on the same inputs (the same sums: 0 expected); one that does not run (a
+ring deeper than shared memory holds) is named with its error and left out:
 
-  PYTHONPATH=. python3 experiments/profile_states.py --stages=,2,4,5 --reps=30
+  PYTHONPATH=. python3 experiments/profile_states.py --reps=30 \
+      --options="stages=2,stages=4,stages=5,chunks_per_program=2,chunks_per_program=4"
 
 --lower only lowers each variant for CUDA and names it (no GPU needed: what a CPU test
 runs before a GPU call is spent on it).
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -40,7 +44,9 @@ _CHUNK = flags.DEFINE_integer("chunk", 512, "chunk")
 _REPS = flags.DEFINE_integer("reps", 5, "timed launches of each kernel")
 _PRIMITIVES = flags.DEFINE_bool("primitives", False, "run the tier's state primitives, "
                                 "forward and backward, instead of the bare kernels")
-_STAGES = flags.DEFINE_list("stages", [""], "ring depths of each kernel ('' its default)")
+_OPTIONS = flags.DEFINE_list(
+    "options", [""], "kernel keyword overrides, each 'name=N;...' (e.g. stages=4, "
+    "chunks_per_program=2); each kernel runs its default and every entry it takes")
 _LOWER = flags.DEFINE_bool("lower", False, "only lower each kernel variant for CUDA")
 
 
@@ -75,9 +81,25 @@ def primitives(reps: int) -> None:
         print(f"{name:16s} fwd+bwd {ms:7.3f} ms (median of {reps})", flush=True)
 
 
-def kernel_variants(stages: list[str]):
-    """[(name, jitted fn, argument shapes and dtypes)]: each bare kernel at each ring depth
-    ('' the kernel's default; a depth adds '@stages=N' to the name)."""
+def parse_options(options: list[str]) -> list[dict[str, int]]:
+    """--options entries as keyword dicts: 'stages=4;chunks_per_program=2' -> {'stages': 4,
+    'chunks_per_program': 2}, '' -> {} (the defaults); values positive integers."""
+    parsed = []
+    for entry in options:
+        pairs = [item.split("=") for item in entry.split(";") if item]
+        if any(len(pair) != 2 or not pair[0].isidentifier() or not pair[1].isdigit()
+               or int(pair[1]) < 1 for pair in pairs):
+            raise ValueError(f"--options: entries are 'name=N;...' with N a positive integer, "
+                             f"or ''; got {entry!r}")
+        parsed.append({name: int(value) for name, value in pairs})
+    return parsed
+
+
+def kernel_variants(options: list[str]):
+    """[(kernel, name, jitted fn, argument (shape, dtype)s)]: each bare kernel once per
+    --options entry whose keywords it takes (name: kernel@name=N;...), its default first."""
+    import inspect
+
     import jax
     import jax.numpy as jnp
 
@@ -90,26 +112,27 @@ def kernel_variants(stages: list[str]):
     x, a, xt = ((1, h, n, c, d), bf16), ((1, h, n, c, e), bf16), ((1, h, n, d, c), bf16)
     s, cols = ((1, h, n, d * d, e), bf16), ((1, h, n, d, c), col)
     parts, weights = ((1, h, n, 3 * d, d), bf16), ((1, h, n, c), jnp.float32)
-    if any(depth and not (depth.isdigit() and int(depth) > 0) for depth in stages):
-        raise ValueError(f"--stages: ring depths are positive integers or ''; got {stages}")
+    kernels = {  # name: (kernel, fn(*args, **options), argument specs)
+        "rows_to_state": (sk.rows_to_state, lambda *z, **kw: sk.rows_to_state(
+            *z, kv_heads=h, **kw), (xt, cols, a)),
+        "state_to_rows": (sk.state_to_rows, lambda *z, **kw: sk.state_to_rows(
+            *z, transposed=False, **kw), (x, cols, s)),
+        "row_gradients": (sk.row_gradients, sk.row_gradients, (a, x, cols, s)),
+        # with the normalizer's quadratic form, as the tier runs them
+        "state_to_rows_z": (sk.state_to_rows, lambda *z, **kw: sk.state_to_rows(
+            *z[:3], transposed=False, normalizer=sk.Normalizer(*z[3:]), **kw),
+            (x, cols, s, parts, weights)),
+        "row_gradients_z": (sk.row_gradients, lambda *z, **kw: sk.row_gradients(
+            *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw), (a, x, cols, s, parts, weights)),
+    }
+    parsed = parse_options(options)
     variants = []
-    for depth in stages:
-        kw = {"stages": int(depth)} if depth else {}
-        suffix = f"@stages={depth}" if depth else ""
-        variants += [
-            ("rows_to_state" + suffix,
-             jax.jit(lambda *z, kw=kw: sk.rows_to_state(*z, kv_heads=h, **kw)), (xt, cols, a)),
-            ("state_to_rows" + suffix,
-             jax.jit(lambda *z, kw=kw: sk.state_to_rows(*z, transposed=False, **kw)),
-             (x, cols, s)),
-            ("row_gradients" + suffix, jax.jit(lambda *z, kw=kw: sk.row_gradients(*z, **kw)),
-             (a, x, cols, s)),
-            # with the normalizer's quadratic form, as the tier runs them
-            ("state_to_rows_z" + suffix, jax.jit(lambda *z, kw=kw: sk.state_to_rows(
-                *z[:3], transposed=False, normalizer=sk.Normalizer(*z[3:]), **kw)),
-             (x, cols, s, parts, weights)),
-            ("row_gradients_z" + suffix, jax.jit(lambda *z, kw=kw: sk.row_gradients(
-                *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw)), (a, x, cols, s, parts, weights))]
+    for name, (kernel, fn, shapes) in kernels.items():
+        takes = set(inspect.signature(kernel).parameters)
+        for kw in [{}] + [kw for kw in parsed if kw and set(kw) <= takes]:
+            suffix = ";".join(f"{key}={value}" for key, value in kw.items())
+            variants.append((name, f"{name}@{suffix}" if kw else name,
+                             jax.jit(functools.partial(fn, **kw)), shapes))
     return variants
 
 
@@ -124,6 +147,19 @@ def arguments(shapes, key):
                  for k, (shape, dtype) in zip(keys, shapes, strict=True))
 
 
+def relative_difference(got, want) -> float:
+    """max |got - want| / max |want| over the leaves of two outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    worst = 0.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+        scale = max(float(jnp.max(jnp.abs(w))), 1e-30)
+        worst = max(worst, float(jnp.max(jnp.abs(g - w))) / scale)
+    return worst
+
+
 def main(argv):
     del argv
     if _PRIMITIVES.value:
@@ -131,27 +167,33 @@ def main(argv):
         return
     import jax
 
-    variants = kernel_variants(_STAGES.value)
+    variants = kernel_variants(_OPTIONS.value)
     if _LOWER.value:
-        for name, fn, shapes in variants:
+        for _, name, fn, shapes in variants:
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
             text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-            print(f"{name:28s} lowers to {text.count('@mosaic_gpu')} Mosaic GPU kernel(s)")
+            print(f"{name:40s} lowers to {text.count('@mosaic_gpu')} Mosaic GPU kernel(s)")
         return
     key = jax.random.PRNGKey(0)
-    runnable = []
-    for index, (name, fn, shapes) in enumerate(variants):
-        args = arguments(shapes, jax.random.fold_in(key, index))
+    kernels = list(dict.fromkeys(kernel for kernel, *_ in variants))
+    runnable, defaults = [], {}
+    for kernel, name, fn, shapes in variants:
+        args = arguments(shapes, jax.random.fold_in(key, kernels.index(kernel)))
         try:  # a ring too deep for shared memory fails here, not the whole run
-            jax.block_until_ready(fn(*args))
+            out = jax.block_until_ready(fn(*args))
         except Exception as error:  # noqa: BLE001  (report it, time the others)
-            print(f"{name:28s} does not run: {type(error).__name__}: {str(error)[:160]}")
+            print(f"{name:40s} does not run: {type(error).__name__}: {str(error)[:160]}")
             continue
+        if kernel in defaults:  # the same inputs: a variant must give the default's sums
+            difference = relative_difference(out, defaults[kernel])
+            print(f"{name:40s} against the default: {difference:.2e} of its largest entry")
+        else:
+            defaults[kernel] = out
         runnable.append((name, fn, args))
     flop = 2 * _HEADS.value * _T.value * 64 * 64 * 64
     times = timed_interleaved([(fn, args) for _, fn, args in runnable], reps=_REPS.value)
     for (name, _, _), ms in zip(runnable, times, strict=True):
-        print(f"{name:28s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
+        print(f"{name:40s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
               f"{_REPS.value}, in turns)", flush=True)
 
 

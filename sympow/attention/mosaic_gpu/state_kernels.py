@@ -33,6 +33,7 @@ Every operand of a step is built before the step's products are issued (`product
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -96,7 +97,7 @@ def products(acc_refs, operands, rhs) -> None:
 
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
-                  slot_offset: int = 0):
+                  slot_offset: int = 0, chunks_per_program: int = 1):
     """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
     S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
     col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
@@ -104,11 +105,19 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
     of TILE_ROWS, D = DIM.
+
+    chunks_per_program (dividing N): consecutive chunks one program sums, one after the
+    other, its ring running on into the next chunk while the last one's states are stored
+    (a program's first copies and last stores, which nothing overlaps while one program
+    holds an SM, then come once per program, not once per chunk). Same sums, same order.
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
     slots = n if slots is None else slots
     _check_slots(slots, n, slot_offset)
+    if chunks_per_program < 1 or n % chunks_per_program:
+        raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
+    per_chunk = chunks_per_program
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
@@ -117,14 +126,15 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     def kernel(xt_ref, col_ref, a_ref, s_ref, ring_arrays, ring_loaded, ring_freed, out):
         ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
-        bi, hk, chunk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads), lax.axis_index("chunk")
+        bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
+        chunk0 = lax.axis_index("chunk") * per_chunk  # this program's first chunk
         first = lax.axis_index("features") * per_program  # this program's first i
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-            def accumulate_all(*acc_refs):
+            def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
                 def visit(step, _):
                     slot = ring.slot(step)
                     xt_block = plgpu.load(ring.wait(slot, 0)[0], (), layout=WGMMA)  # [D, ROWS]
@@ -135,17 +145,26 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                              list(ring.wait(slot, 2)) * per_wg)
                     ring.release(slot)
 
-                lax.fori_loop(0, steps, visit, None)
+                lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-            accs = pl.run_scoped(accumulate_all, *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
-            for t, acc in enumerate(accs):
-                out.at[wg, t][...] = acc.astype(BF16)
-            plgpu.commit_smem()
-            for t in range(per_wg):
-                i = first + wg * per_wg + t
-                plgpu.copy_smem_to_gmem(out.at[wg, t],
-                                        s_ref.at[bi, hk, chunk + slot_offset, pl.ds(i * d, d)])
+            def sum_and_store(k, _=None):
+                accs = pl.run_scoped(functools.partial(accumulate_all, k),
+                                     *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
+                if per_chunk > 1:  # the last chunk's stores have read `out`
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for t, acc in enumerate(accs):
+                    out.at[wg, t][...] = acc.astype(BF16)
+                plgpu.commit_smem()
+                for t in range(per_wg):
+                    i = first + wg * per_wg + t
+                    plgpu.copy_smem_to_gmem(out.at[wg, t], s_ref.at[
+                        bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
+
+            if per_chunk == 1:
+                sum_and_store(0)
+            else:
+                lax.fori_loop(0, per_chunk, sum_and_store, None)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -153,21 +172,23 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
             def sources(step):
+                chunk, step = ((chunk0, step) if per_chunk == 1 else
+                               (chunk0 + lax.div(step, steps), lax.rem(step, steps)))
                 h = hk * groups + lax.div(step, row_blocks)
                 rows = pl.ds(lax.rem(step, row_blocks) * ROWS, ROWS)
                 return (xt_ref.at[bi, h, chunk, :, rows],
                         col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
                         a_ref.at[bi, h, chunk, rows])
 
-            ring.fill(steps, sources)
+            ring.fill(per_chunk * steps, sources)
 
     ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
     return launch(
         kernel, name="sympow_states_rows_to_state",
         out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
-        grid=(d // per_program, n, b * kv_heads), grid_names=("features", "chunk", "bh"),
-        args=(xt, col, a))
+        grid=(d // per_program, n // per_chunk, b * kv_heads),
+        grid_names=("features", "chunk", "bh"), args=(xt, col, a))
 
 
 def _check_slots(slots: int, n: int, slot_offset: int) -> None:

@@ -109,6 +109,32 @@ def test_the_kernels_take_states_in_slots():
                                               slots=n, slot_offset=1)
 
 
+def test_rows_to_state_sums_several_chunks_a_program_when_asked(monkeypatch):
+    """chunks_per_program: the grid's chunk axis shrinks by it (each program walks that many
+    chunks), the kernel still lowers to one Mosaic GPU kernel and writes every slot it did;
+    a count that does not divide N is refused by name."""
+    b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
+    grids = []
+    real_launch = state_kernels.launch
+
+    def recording_launch(*args, **kwargs):
+        grids.append(kwargs["grid"])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(state_kernels, "launch", recording_launch)
+    shapes = (((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
+    for per_program, chunk_axis in ((1, n), (2, n // 2), (4, 1)):
+        text = lowered(lambda *x, k=per_program: state_kernels.rows_to_state(
+            *x, kv_heads=hk, slots=n + 1, slot_offset=1, chunks_per_program=k), *shapes)
+        assert text.count("@mosaic_gpu") == 1
+        assert f"tensor<{b}x{hk}x{n + 1}x{D * D}x{e}xbf16>" in text
+        assert grids[-1][1:] == (chunk_axis, b * hk)
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"chunks_per_program={bad} must divide the 4"):
+            state_kernels.rows_to_state(*zeros, kv_heads=hk, chunks_per_program=bad)
+
+
 def test_the_quadratic_form_takes_the_rows_not_a_transposed_product():
     x = jnp.zeros((1, 2, 1, 128, D), BF16)
     normalizer = state_kernels.Normalizer(jnp.zeros((1, 2, 1, 3 * D, D), BF16),
