@@ -6,32 +6,13 @@ entry."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-import jax.numpy as jnp
 import pytest
 
-from tests.configs.test_probes import ROOT, run
+from tests.configs.test_probes import run
 
 SCRIPT = "experiments/profile_states.py"
 KERNELS = ("rows_to_state", "state_to_rows", "row_gradients", "state_to_rows_z",
            "row_gradients_z")
-SPEC = importlib.util.spec_from_file_location("profile_states", ROOT / SCRIPT)
-
-
-@pytest.fixture(scope="module")
-def profile_states():
-    """The script as a module (its imports beside it, as when it runs as a script)."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        module = importlib.util.module_from_spec(SPEC)
-        SPEC.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
-    return module
-
-
 def expected_variants():
     """Each kernel's default, stages=2 for all, chunks_per_program=2 for rows_to_state."""
     names = []
@@ -62,18 +43,34 @@ def test_a_variant_that_does_not_run_is_named_and_the_others_still_timed():
 
 
 @pytest.mark.parametrize("options", ["stages=0", "stages", "stages=two", "1x=2"])
-def test_options_that_are_not_keyword_positive_integers_are_refused(profile_states, options):
-    with pytest.raises(ValueError, match="--options: entries are 'name=N;...'"):
-        profile_states.parse_options([options])
+def test_options_that_are_not_keyword_positive_integers_are_refused(options):
+    done = run(SCRIPT, "--lower", "--t=1024", "--chunk=512", f"--options={options}")
+    assert done.returncode != 0
+    assert "--options: entries are 'name=N;...'" in done.stderr, done.stderr[-2000:]
 
 
-def test_options_parse_to_keywords(profile_states):
-    assert profile_states.parse_options(["", "stages=4;chunks_per_program=2"]) == [
-        {}, {"stages": 4, "chunks_per_program": 2}]
+def test_an_entry_runs_on_the_kernels_that_take_all_its_keywords():
+    done = run(SCRIPT, "--lower", "--t=2048", "--chunk=512",
+               "--options=stages=2;chunks_per_program=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = [line.split()[0] for line in done.stdout.splitlines() if "lowers to" in line]
+    assert names == [KERNELS[0], f"{KERNELS[0]}@stages=2;chunks_per_program=4", *KERNELS[1:]]
 
 
-def test_the_difference_from_the_default_is_per_its_largest_entry(profile_states):
-    want = (jnp.asarray([4.0, -8.0]), jnp.asarray([1.0, 0.5]))
-    got = (jnp.asarray([4.0, -7.0]), jnp.asarray([1.0, 0.5]))
-    assert profile_states.relative_difference(got, want) == 1.0 / 8.0
-    assert profile_states.relative_difference(want, want) == 0.0
+def test_the_difference_from_the_default_is_per_its_largest_entry():
+    """Imported in a process of its own (the script defines absl flags other scripts'
+    tests define too)."""
+    done = run("-c", """
+import sys
+sys.path.insert(0, "experiments")
+import jax.numpy as jnp
+import profile_states
+want = (jnp.asarray([4.0, -8.0]), jnp.asarray([1.0, 0.5]))
+got = (jnp.asarray([4.0, -7.0]), jnp.asarray([1.0, 0.5]))
+print(profile_states.relative_difference(got, want), profile_states.relative_difference(want, want))
+print(profile_states.parse_options(["", "stages=4;chunks_per_program=2"]))
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == [str(1.0 / 8.0), "0.0"]
+    assert lines[1] == "[{}, {'stages': 4, 'chunks_per_program': 2}]"

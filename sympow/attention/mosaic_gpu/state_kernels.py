@@ -24,7 +24,8 @@ Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
 Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `Ring`.
 - rows_to_state: one program per (group of 2 x per_wg features i, chunk, kv head); the
   ring walks the 64-row blocks of the chunk (over the query heads of a group too), each
-  warpgroup accumulating its per_wg blocks S_i in registers (per_wg = 256 / E).
+  warpgroup accumulating its per_wg blocks S_i in registers (per_wg = 256 / E); with
+  chunks_per_program > 1 a program does so for consecutive chunks in turn.
 - state_to_rows: one program per (128 or 256 rows, chunk, head); each warpgroup holds its
   one or two 64-row blocks of x (or a) and col; the ring walks the D blocks S_i of the
   chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks.
