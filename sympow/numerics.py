@@ -1,8 +1,9 @@
 """Numerics shared by the specification, the kernels' wrappers, rotary and the layers.
 
 One home for the conventions every part of the library follows (docs/design.md §4):
-products at full float32 precision, computation in float32 or wider, and a division that
-gives 0 (not NaN) where the normalizer is 0.
+products at full float32 precision, computation in float32 or wider, a division that
+gives 0 (not NaN) where the normalizer is 0, and a sum that keeps its rounding errors where
+its terms cancel.
 """
 
 from __future__ import annotations
@@ -58,3 +59,26 @@ def safe_divide(num: Array, den: Array) -> Array:
     """
     positive = den > 0
     return jnp.where(positive[..., None], num / jnp.where(positive, den, 1.0)[..., None], 0.0)
+
+
+def compensated_sum(x: Array, axis: int) -> Array:
+    """x summed over `axis` with every addition's rounding error kept and added back: the
+    exact sum rounded about once, in any order XLA reduces in.
+
+    A float32 sum of many terms that cancel errs by ~eps times its partial sums, not its
+    result, and how much depends on the order XLA's reduction takes on each backend (the
+    decoding readout's sum of its tiles' shares: docs/kernels.md). Here each addition
+    s = a + b also yields its error exactly (Knuth's TwoSum, valid for any a, b), the
+    errors are summed beside, and s + errors is returned: one XLA reduction of (sum, error)
+    pairs. Exact to ~eps |sum| + n eps^2 sum |x| (n = the axis' length) in any order.
+    """
+    def add(left, right):
+        (a, a_err), (b, b_err) = left, right
+        s = a + b
+        b_seen = s - a  # the part of b that s holds
+        err = (a - (s - b_seen)) + (b - b_seen)  # a + b - s, exactly
+        return s, a_err + b_err + err
+
+    zero = jnp.zeros((), x.dtype)
+    total, errors = jax.lax.reduce((x, jnp.zeros_like(x)), (zero, zero), add, (axis % x.ndim,))
+    return total + errors

@@ -1,13 +1,14 @@
 """sympow.numerics: the compute dtype rule, the division that defines empty rows as 0, the
-rounding XLA keeps and zeros XLA writes per call."""
+rounding XLA keeps, zeros XLA writes per call, and the sum that keeps its rounding errors."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from sympow.numerics import compute_dtype, round_to, safe_divide, zeros_of_call
+from sympow.numerics import compensated_sum, compute_dtype, round_to, safe_divide, zeros_of_call
 
 
 def test_compute_dtype_is_float32_or_wider(x64):
@@ -68,3 +69,29 @@ def test_zeros_of_call_are_written_per_call_not_copied_from_one_constant():
     own = roots(lambda a, b: (zeros_of_call((64, 8), jnp.float32, a),
                               zeros_of_call((64, 8), jnp.float32, b)))
     assert "copy" not in own and own.count("fusion") == 2
+
+
+# 2^27 + 8 + 7 - 2^27: float32's spacing at 2^27 is 16, so a plain sum in any order that
+# does not cancel the large terms first loses the small ones (8 and 7 - 2^27 both round).
+CANCELLING = [2.0 ** 27, 8.0, 7.0, -(2.0 ** 27)]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 2, 1, 0), (0, 2, 1, 3), (1, 0, 3, 2)])
+def test_compensated_sum_is_exact_where_a_float32_sum_loses_the_small_terms(order):
+    x = jnp.asarray([CANCELLING[i] for i in order], jnp.float32)
+    assert float(jnp.sum(x)) != 15.0  # the plain sum loses them (the test's premise)
+    assert float(compensated_sum(x, 0)) == 15.0
+    assert float(jax.jit(compensated_sum, static_argnums=1)(x, 0)) == 15.0
+
+
+def test_compensated_sum_over_any_axis_is_the_float64_sum_rounded(rng):
+    """Terms over nine decades with both signs: the result within an ulp or so of the
+    float64 sum, per output, on the axis asked (negative axes too), in x's dtype."""
+    x = (rng.standard_normal((3, 2000, 5)) * 10.0 ** rng.uniform(-3, 6, (3, 2000, 5)))
+    x = x.astype(np.float32)
+    for axis in (1, -2, 0, 2):
+        got = compensated_sum(jnp.asarray(x), axis)
+        want = x.astype(np.float64).sum(axis=axis)
+        assert got.dtype == jnp.float32 and got.shape == want.shape
+        ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 2 * ulp)

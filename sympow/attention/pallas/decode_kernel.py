@@ -8,7 +8,9 @@ S and Z once, writes the updated tile in place (`input_output_aliases`: no secon
 buffer) and returns the tile's share of the readout, phi(Q)^T S_new over its rows, and of
 its normalizer phi(Q)^T Z_new in one array (the normalizer repeated along E: one sum over
 the tiles serves both, where two arrays took XLA two reductions); XLA adds the shares of the
-F / rows tiles and divides. The features phi(Q) and phi(K) ([F] per head,
+F / rows tiles, carrying each addition's rounding error (`numerics.compensated_sum`: the
+shares cancel, so a float32 sum's error depends on the order XLA reduces in, which differs
+between backends), and divides. The features phi(Q) and phi(K) ([F] per head,
 small beside the state) are built by `sympow_embedding` outside the kernel.
 
 Triton wants power-of-two blocks: the row tile is the largest power of two dividing F (at
@@ -31,7 +33,7 @@ from jaxtyping import Array, Float
 from sympow.attention.pallas.launch import launch
 from sympow.attention.reference import SympowState, recurrent_step
 from sympow.embedding import sympow_embedding
-from sympow.numerics import safe_divide
+from sympow.numerics import compensated_sum, safe_divide
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,9 @@ def fused_step(plan: DecodePlan, state: SympowState, q: Float[Array, "B Hq D"],
         warps=4, aliases={0: 0, 1: 1},
     )(state.s.reshape(bh, f, e), state.z.reshape(bh, f), phi_k, phi_q, v.astype(ct).reshape(bh, e),
       gate)
-    readout = jnp.sum(readout, axis=1)  # [BH, 2 groups, E]: numerators, then normalizers
+    # [BH, 2 groups, E]: numerators, then normalizers; summed with each addition's rounding
+    # kept, in whatever order XLA takes (the tiles' shares cancel)
+    readout = compensated_sum(readout, axis=1)
     num, den = readout[:, :r], readout[:, groups:groups + r, 0]  # [BH, R, E], [BH, R]
     y = safe_divide(num, den).reshape(b, hq, e)
     return SympowState(s.reshape(state.s.shape), z.reshape(state.z.shape)), y

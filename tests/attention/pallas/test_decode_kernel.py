@@ -13,6 +13,7 @@ import pytest
 
 from sympow.attention import api, reference, testing
 from sympow.attention.pallas import decode_kernel
+from sympow.embedding import sympow_embedding
 
 
 @pytest.mark.parametrize(("b", "hq", "hk", "d", "e", "p"), [
@@ -139,15 +140,39 @@ def test_impl_none_runs_the_default(rng):
 def test_the_readout_and_its_normalizer_leave_in_one_array_summed_once():
     """The kernel writes each tile's numerators and normalizers side by side ([2 R', E], the
     normalizer repeated along E), so XLA sums the tiles in one reduction (two arrays took
-    it two reductions, each a launch of its own in a decoding step); for a GPU the step
-    lowers to one Triton kernel."""
+    it two reductions, each a launch of its own in a decoding step), of (sum, rounding
+    error) pairs; for a GPU the step lowers to one Triton kernel."""
     step, args, plan = small_step(6)
     jaxpr = jax.make_jaxpr(step)(*args)
     names = [eq.primitive.name for eq in jaxpr.eqns]
     call = jaxpr.eqns[names.index("pallas_call")]
     tiles = 36 // plan.rows
     assert [x.aval.shape for x in call.outvars][2] == (1 * 2, tiles, 2 * plan.groups, 16)
-    assert names[names.index("pallas_call"):].count("reduce_sum") == 1
+    after = names[names.index("pallas_call"):]
+    assert after.count("reduce") == 1 and "reduce_sum" not in after  # `compensated_sum`
     gpu_step, args, _ = small_step(6, interpret=False)
     text = jax.jit(gpu_step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_the_readout_keeps_what_a_float32_sum_of_the_tiles_loses():
+    """Tiles of features whose readout shares cancel: d = 4, p = 2 (F = 10, two features a
+    tile), q = 1 (phi(q) = 1 on the squares x_i^2, sqrt 2 elsewhere), a state whose rows
+    are 2^27, 8, 7 and -2^27 on the four squares and 0 elsewhere, z = 1 on the squares; k = 0
+    leaves the state as it is. Each tile's share is exact, and y = 15 / 4 exactly from the
+    kernel, where a float32 sum of the shares loses the 8 and the 7 in any order that does
+    not cancel the large ones first."""
+    d, e, f = 4, 16, 10
+    squares = np.flatnonzero(np.isclose(np.asarray(
+        sympow_embedding(jnp.ones((d,), jnp.float32), 2)), 1.0))
+    assert squares.size == d
+    rows = np.zeros((f,), np.float32)
+    rows[squares] = [2.0 ** 27, 8.0, 7.0, -(2.0 ** 27)]
+    state = reference.SympowState(
+        s=jnp.asarray(np.broadcast_to(rows[:, None], (1, 1, f, e))),
+        z=jnp.asarray(np.isin(np.arange(f), squares).astype(np.float32)[None, None]))
+    plan = decode_kernel.make_decode_plan(f, 1, e, interpret=True)
+    assert not isinstance(plan, str) and f // plan.rows > 1  # several tiles
+    _, y = decode_kernel.fused_step(plan, state, jnp.ones((1, 1, d)), jnp.zeros((1, 1, d)),
+                                    jnp.zeros((1, 1, e)), None, p=2)
+    np.testing.assert_array_equal(np.asarray(y), np.full((1, 1, e), 15.0 / 4.0, np.float32))
