@@ -126,10 +126,20 @@ def kernel_variants(options: list[str]):
             *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw), (a, x, cols, s, parts, weights)),
     }
     parsed = parse_options(options)
+    bound = {"kv_heads", "transposed", "normalizer"}  # set by the calls above
+
+    def takes(kernel) -> set[str]:
+        return {name for name, parameter in inspect.signature(kernel).parameters.items()
+                if parameter.kind == inspect.Parameter.KEYWORD_ONLY} - bound
+
+    unused = [kw for kw in parsed if kw and not any(set(kw) <= takes(k) for k, *_ in
+                                                    kernels.values())]
+    if unused:
+        raise ValueError(f"--options: no kernel takes {unused} (keywords of rows_to_state, "
+                         f"state_to_rows or row_gradients other than {sorted(bound)})")
     variants = []
     for name, (kernel, fn, shapes) in kernels.items():
-        takes = set(inspect.signature(kernel).parameters)
-        for kw in [{}] + [kw for kw in parsed if kw and set(kw) <= takes]:
+        for kw in [{}] + [kw for kw in parsed if kw and set(kw) <= takes(kernel)]:
             suffix = ";".join(f"{key}={value}" for key, value in kw.items())
             variants.append((name, f"{name}@{suffix}" if kw else name,
                              jax.jit(functools.partial(fn, **kw)), shapes))
@@ -167,11 +177,17 @@ def main(argv):
         return
     import jax
 
+    from sympow.attention.mosaic_gpu.state_kernels import DIM
+
     variants = kernel_variants(_OPTIONS.value)
     if _LOWER.value:
         for _, name, fn, shapes in variants:
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-            text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            try:
+                text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            except Exception as error:  # noqa: BLE001  (report it, lower the others)
+                print(f"{name:40s} does not lower: {type(error).__name__}: {str(error)[:160]}")
+                continue
             print(f"{name:40s} lowers to {text.count('@mosaic_gpu')} Mosaic GPU kernel(s)")
         return
     key = jax.random.PRNGKey(0)
@@ -192,7 +208,7 @@ def main(argv):
         else:
             print(f"{name:40s} not compared: the default did not run")
         runnable.append((name, fn, args))
-    flop = 2 * _HEADS.value * _T.value * 64 * 64 * 64
+    flop = 2 * _HEADS.value * _T.value * DIM ** 3  # the square layout's, d = e = DIM
     times = timed_interleaved([(fn, args) for _, fn, args in runnable], reps=_REPS.value)
     for (name, _, _), ms in zip(runnable, times, strict=True):
         print(f"{name:40s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "

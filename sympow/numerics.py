@@ -8,6 +8,8 @@ its terms cancel.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -61,17 +63,29 @@ def safe_divide(num: Array, den: Array) -> Array:
     return jnp.where(positive[..., None], num / jnp.where(positive, den, 1.0)[..., None], 0.0)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def compensated_sum(x: Array, axis: int) -> Array:
-    """x summed over `axis` with every addition's rounding error kept and added back: the
-    exact sum rounded about once, in any order XLA reduces in.
+    """x [..., n, ...] float32 or float64 summed over `axis` (the n), with every addition's
+    rounding error kept and added back: x's shape without that axis, in x's dtype, the
+    exact sum rounded about once.
 
     A float32 sum of many terms that cancel errs by ~eps times its partial sums, not its
     result, and how much depends on the order XLA's reduction takes on each backend (the
     decoding readout's sum of its tiles' shares: docs/kernels.md). Here each addition
-    s = a + b also yields its error exactly (Knuth's TwoSum, valid for any a, b), the
-    errors are summed beside, and s + errors is returned: one XLA reduction of (sum, error)
-    pairs. Exact to ~eps |sum| + n eps^2 sum |x| (n = the axis' length) in any order.
+    s = a + b also yields its error exactly (Knuth's TwoSum, for finite a, b), the errors
+    are summed beside, and s + errors is returned: one XLA reduction of (sum, error) pairs,
+    within ~eps |sum| + n eps^2 sum |x| of the exact sum in any order (two orders may
+    still differ by about an ulp). Where the sum is infinite or NaN it is returned as the
+    plain sum has it (TwoSum's error of an infinity is NaN). Only float32 and float64:
+    TwoSum needs every operation rounded to x's dtype, which XLA need not do for narrower
+    types on a GPU (`round_to`). Its derivative is the plain sum's.
     """
+    if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is not an axis of x {tuple(x.shape)}")
+    if x.dtype not in (jnp.float32, jnp.float64):
+        raise ValueError(f"x must be float32 or float64 (TwoSum needs each operation rounded "
+                         f"to it); got {x.dtype}")
+
     def add(left, right):
         (a, a_err), (b, b_err) = left, right
         s = a + b
@@ -81,4 +95,10 @@ def compensated_sum(x: Array, axis: int) -> Array:
 
     zero = jnp.zeros((), x.dtype)
     total, errors = jax.lax.reduce((x, jnp.zeros_like(x)), (zero, zero), add, (axis % x.ndim,))
-    return total + errors
+    return jnp.where(jnp.isfinite(total), total + errors, total)
+
+
+@compensated_sum.defjvp
+def _compensated_sum_jvp(axis, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return compensated_sum(x, axis), jnp.sum(dx, axis=axis)

@@ -95,3 +95,26 @@ def test_compensated_sum_over_any_axis_is_the_float64_sum_rounded(rng):
         assert got.dtype == jnp.float32 and got.shape == want.shape
         ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
         assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 2 * ulp)
+
+
+def test_compensated_sum_keeps_infinities_and_nans_as_a_plain_sum_does():
+    for terms in ([np.inf, 1.0], [-np.inf, 2.0, 3.0], [np.inf, -np.inf], [np.nan, 1.0]):
+        x = jnp.asarray(terms, jnp.float32)
+        np.testing.assert_array_equal(compensated_sum(x, 0), jnp.sum(x))
+
+
+def test_compensated_sum_differentiates_as_the_sum():
+    x = jnp.asarray([[1.0, -2.0, 3.0], [0.5, 0.25, 4.0]], jnp.float32)
+    grad = jax.grad(lambda x: compensated_sum(x * x, 1) @ jnp.asarray([1.0, 10.0]))(x)
+    np.testing.assert_array_equal(grad, 2 * x * jnp.asarray([[1.0], [10.0]]))
+
+
+@pytest.mark.parametrize(("shape", "axis", "dtype", "message"), [
+    ((2, 3), 2, jnp.float32, r"axis=2 is not an axis of x \(2, 3\)"),
+    ((2, 3), -3, jnp.float32, r"axis=-3 is not an axis of x \(2, 3\)"),
+    ((), 0, jnp.float32, r"axis=0 is not an axis of x \(\)"),
+    ((4,), 0, jnp.bfloat16, "x must be float32 or float64 .* got bfloat16"),
+])
+def test_compensated_sum_names_a_bad_axis_or_dtype(shape, axis, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        compensated_sum(jnp.ones(shape, dtype), axis)

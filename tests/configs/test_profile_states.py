@@ -1,8 +1,8 @@
 """experiments/profile_states.py on the CPU: each state kernel variant it would time (its
 defaults, then each --options entry whose keywords it takes) lowers for CUDA to one Mosaic
-GPU kernel; a variant that does not run is named and the run goes on; bad options are
-refused by name; the comparison with the default is the largest difference per the largest
-entry."""
+GPU kernel; a variant that cannot run is named and the run goes on; bad options and
+options no kernel takes are refused by name; the comparison with the default is the
+largest difference per the largest entry."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from tests.configs.test_probes import run
 SCRIPT = "experiments/profile_states.py"
 KERNELS = ("rows_to_state", "state_to_rows", "row_gradients", "state_to_rows_z",
            "row_gradients_z")
+
+
 def expected_variants():
     """Each kernel's default, stages=2 for all, chunks_per_program=2 for rows_to_state."""
     names = []
@@ -31,15 +33,25 @@ def test_every_variant_lowers_to_one_mosaic_gpu_kernel():
     assert all(words[3] == "1" for words in lines), done.stdout
 
 
-def test_a_variant_that_does_not_run_is_named_and_the_others_still_timed():
-    """On the CPU no Mosaic GPU kernel runs: every variant is reported with its error, and
-    the run ends normally (on a GPU, a ring deeper than shared memory holds is such a
-    variant)."""
-    done = run(SCRIPT, "--t=1024", "--chunk=512", "--options=stages=2,chunks_per_program=2",
-               "--reps=1")
-    assert done.returncode == 0, done.stderr[-2000:]
-    failed = [line.split()[0] for line in done.stdout.splitlines() if "does not run" in line]
-    assert failed == expected_variants(), done.stdout
+def test_a_variant_that_cannot_run_is_named_and_the_run_goes_on():
+    """chunks_per_program=3 does not divide the 2 chunks of T = 1024: that variant is named
+    with its error, in a timed run (anywhere: on a CPU no variant runs, on a Hopper GPU the
+    others are timed) and in a lowering run, and both runs end normally."""
+    options = "--options=stages=2,chunks_per_program=3"
+    for flags in (("--reps=1",), ("--lower",)):
+        done = run(SCRIPT, "--t=1024", "--chunk=512", options, *flags)
+        assert done.returncode == 0, done.stderr[-2000:]
+        failed = [line for line in done.stdout.splitlines()
+                  if line.startswith("rows_to_state@chunks_per_program=3")]
+        assert len(failed) == 1 and "ValueError: chunks_per_program=3 must divide the 2" in \
+            failed[0], done.stdout
+
+
+def test_an_entry_no_kernel_takes_is_refused():
+    for entry in ("stage=4", "kv_heads=2"):  # a typo; a keyword the script itself sets
+        done = run(SCRIPT, "--lower", "--t=1024", "--chunk=512", f"--options={entry}")
+        assert done.returncode != 0
+        assert "--options: no kernel takes" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("options", ["stages=0", "stages", "stages=two", "1x=2"])

@@ -118,7 +118,6 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     _check_slots(slots, n, slot_offset)
     if chunks_per_program < 1 or n % chunks_per_program:
         raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
-    per_chunk = chunks_per_program
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
@@ -128,7 +127,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
         ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
-        chunk0 = lax.axis_index("chunk") * per_chunk  # this program's first chunk
+        chunk0 = lax.axis_index("chunk") * chunks_per_program  # this program's first chunk
         first = lax.axis_index("features") * per_program  # this program's first i
 
         @pl.when(wg < COMPUTE_WGS)
@@ -152,7 +151,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             def sum_and_store(k, _=None):
                 accs = pl.run_scoped(functools.partial(accumulate_all, k),
                                      *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
-                if per_chunk > 1:  # the last chunk's stores have read `out`
+                if chunks_per_program > 1:  # the last chunk's stores have read `out`
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 for t, acc in enumerate(accs):
                     out.at[wg, t][...] = acc.astype(BF16)
@@ -162,10 +161,10 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                     plgpu.copy_smem_to_gmem(out.at[wg, t], s_ref.at[
                         bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
 
-            if per_chunk == 1:
+            if chunks_per_program == 1:
                 sum_and_store(0)
             else:
-                lax.fori_loop(0, per_chunk, sum_and_store, None)
+                lax.fori_loop(0, chunks_per_program, sum_and_store, None)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -173,22 +172,22 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
             def sources(step):
-                chunk, step = ((chunk0, step) if per_chunk == 1 else
-                               (chunk0 + lax.div(step, steps), lax.rem(step, steps)))
-                h = hk * groups + lax.div(step, row_blocks)
-                rows = pl.ds(lax.rem(step, row_blocks) * ROWS, ROWS)
+                chunk, step_in_chunk = ((chunk0, step) if chunks_per_program == 1 else
+                                        (chunk0 + lax.div(step, steps), lax.rem(step, steps)))
+                h = hk * groups + lax.div(step_in_chunk, row_blocks)
+                rows = pl.ds(lax.rem(step_in_chunk, row_blocks) * ROWS, ROWS)
                 return (xt_ref.at[bi, h, chunk, :, rows],
                         col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
                         a_ref.at[bi, h, chunk, rows])
 
-            ring.fill(per_chunk * steps, sources)
+            ring.fill(chunks_per_program * steps, sources)
 
     ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
     return launch(
         kernel, name="sympow_states_rows_to_state",
         out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
-        grid=(d // per_program, n // per_chunk, b * kv_heads),
+        grid=(d // per_program, n // chunks_per_program, b * kv_heads),
         grid_names=("features", "chunk", "bh"), args=(xt, col, a))
 
 

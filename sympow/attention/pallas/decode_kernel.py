@@ -114,7 +114,7 @@ def fused_step(plan: DecodePlan, state: SympowState, q: Float[Array, "B Hq D"],
     )(state.s.reshape(bh, f, e), state.z.reshape(bh, f), phi_k, phi_q, v.astype(ct).reshape(bh, e),
       gate)
     # [BH, 2 groups, E]: numerators, then normalizers; summed with each addition's rounding
-    # kept, in whatever order XLA takes (the tiles' shares cancel)
+    # kept (the tiles' shares cancel: a float32 sum's error depends on XLA's order)
     readout = compensated_sum(readout, axis=1)
     num, den = readout[:, :r], readout[:, groups:groups + r, 0]  # [BH, R, E], [BH, R]
     y = safe_divide(num, den).reshape(b, hq, e)

@@ -111,8 +111,9 @@ def test_the_kernels_take_states_in_slots():
 
 def test_rows_to_state_sums_several_chunks_a_program_when_asked(monkeypatch):
     """chunks_per_program: the grid's chunk axis shrinks by it (each program walks that many
-    chunks), the kernel still lowers to one Mosaic GPU kernel and writes every slot it did;
-    a count that does not divide N is refused by name."""
+    chunks), the kernel still lowers to one Mosaic GPU kernel with the same output; a count
+    that does not divide N is refused by name. (Its sums are checked on a GPU:
+    `gpu_check.py --only=primitives --cases=states`, row S_chunks.)"""
     b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
     grids = []
     real_launch = state_kernels.launch

@@ -1,0 +1,36 @@
+"""experiments/gpu_check.py's state-kernel check on the CPU, with the kernels' plain-JAX
+definitions in their place (the kernels themselves need a Hopper GPU): every row it names
+is computed and passes, so a GPU call spends no time on a check that cannot run."""
+
+from __future__ import annotations
+
+from tests.configs.test_probes import run
+
+SCRIPT = """
+import sys
+sys.path.insert(0, "experiments")
+import numpy as np
+import gpu_check
+from sympow.attention.mosaic_gpu import state_kernels as sk
+
+def without(*names):
+    def wrap(fn):
+        return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k not in names})
+    return wrap
+
+sk.rows_to_state = without("chunks_per_program", "stages")(sk.rows_to_state_reference)
+sk.state_to_rows = without("stages")(sk.state_to_rows_reference)
+sk.row_gradients = without("stages")(sk.row_gradients_reference)
+for scales in ("ordinary", "full"):
+    rows = gpu_check.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
+    print(scales, [(name, ok) for name, _, _, ok in rows])
+"""
+
+
+def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
+    done = run("-c", SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = ["S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
+             "y_slots", "dx_slots"]
+    for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
+        assert line == f"{scales} {[(name, True) for name in names]}", line
