@@ -38,6 +38,7 @@ def errors(seed: int) -> dict[str, float]:
 
     from sympow.attention import reference, testing
     from sympow.attention.pallas.decode_kernel import make_decode_plan
+    from sympow.attention.testing import max_err
     from sympow.embedding import sympow_embedding
     from sympow.numerics import compensated_sum
 
@@ -80,10 +81,10 @@ def errors(seed: int) -> dict[str, float]:
              for x in (num_tiles, den_tiles)]
     kept = [np.asarray(compensated_sum(jnp.asarray(x), 3), np.float64)
             for x in (num_tiles, den_tiles)]
-    scale = float(np.max(np.abs(y64)))
+    scale = max_err(y64, 0.0)
 
     def err(y, want=y64):  # max |y - want| per max |y| of the float64 specification
-        return float(np.max(np.abs(np.asarray(y, np.float64) - want))) / scale
+        return max_err(y, want) / scale
 
     return {"spec": err(y32), "state": err(y_state), "readout": err(y32, y_state),
             "tiles_float32": err(readout(*plain)), "tiles_compensated": err(readout(*kept))}
