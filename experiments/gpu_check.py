@@ -321,8 +321,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     of phi of 16 random rows per chunk, in bf16 parts; weights w = c e^(2 ls) with random
     c): state_to_rows' y and den = w x^T Z x, row_gradients' dx and dls; then the slotted
     layout of the in-place prefix sum: S written at slots 1..N of N + 1 (slot_offset=1),
-    also by one program walking all N chunks (chunks_per_program=N), y and dx read from
-    there (slot 0 NaN: a read of it fails the row)."""
+    also by one program walking all N chunks (chunks_per_program=N) and by one program a
+    chunk (the default walks up to 4), y and dx read from there (slot 0 NaN: a read of it
+    fails the row)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -361,9 +362,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                      sk.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
                 (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
                  sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
-                (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
-                                  chunks_per_program=n)[:, :, 1:],
-                 sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                *((sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
+                                    chunks_per_program=k)[:, :, 1:],
+                   sk.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
                 (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1),
                  sk.state_to_rows_reference(x, col, s, transposed=False)),
                 (sk.row_gradients(a, x, col, slotted, slot_offset=1)[0],
@@ -371,7 +372,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
-             "y_slots", "dx_slots")
+             "S_one", "y_slots", "dx_slots")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

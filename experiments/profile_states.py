@@ -2,10 +2,12 @@
 
   PYTHONPATH=. python3 experiments/profile_states.py               # kernel medians
   PYTHONPATH=. python3 experiments/profile_states.py --primitives  # with the XLA glue
-  PYTHONPATH=. nsys profile --stats=true -o $OUT/states python3 experiments/profile_states.py
 
-(On 2026-11-24 neither profiler ran on the H100 machine: ncu crashed, nsys is absent;
-experiments/kernel_profile.py reads jax's own profiler instead.)
+Each kernel's time is its duration in a jax.profiler trace (the GPU's own), beside the
+median wall time of a call, which also holds the host's dispatch and wait (~0.2 ms a call
+on an H200 on 2026-11-27: a wall time alone understates the kernels' rate by a third).
+Under ncu (docs/kernels.md, Next steps) the first two kernels profiled on 2026-11-27 and
+row_gradients did not (ncu stopped at it).
 
 One launch of each of rows_to_state, state_to_rows and row_gradients (the transposed
 product as the backward runs it), and of the last two with the normalizer's quadratic form
@@ -36,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import timed, timed_interleaved  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import kernel_times_interleaved, timed, timed_interleaved  # noqa: E402  (experiments/timing.py, beside this script)
 
 _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
@@ -206,10 +208,17 @@ def main(argv):
             print(f"{name:40s} not compared: the default did not run")
         runnable.append((name, fn, args))
     flop = 2 * _HEADS.value * _T.value * DIM ** 3  # the square layout's, d = e = DIM
-    times = timed_interleaved([(fn, args) for _, fn, args in runnable], reps=_REPS.value)
-    for (name, _, _), ms in zip(runnable, times, strict=True):
-        print(f"{name:40s} {ms:7.3f} ms  {flop / ms / 1e9:6.1f} TFLOP/s (median of "
-              f"{_REPS.value}, in turns)", flush=True)
+    if not runnable:  # off a Hopper GPU no kernel runs
+        print("no kernel ran: nothing to time")
+        return
+    calls = [(fn, args) for _, fn, args in runnable]
+    walls = timed_interleaved(calls, reps=_REPS.value)
+    # The kernels' own durations: a call's wall time also holds the host's dispatch and wait
+    # (~0.2 ms a call on an H200 on 2026-11-27, against ncu's durations).
+    kernel_us = kernel_times_interleaved(calls, reps=_REPS.value, prefix="sympow_states")
+    for (name, _, _), ms, us in zip(runnable, walls, kernel_us, strict=True):
+        print(f"{name:40s} kernel {us:7.1f} us  {flop / us / 1e6:6.1f} TFLOP/s  wall {ms:7.3f} "
+              f"ms (medians of {_REPS.value}, in turns)", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,39 @@ def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
     return [statistics.median(column) * 1e3 for column in times]
 
 
+def kernel_times_interleaved(calls, *, reps: int, prefix: str, warmup: int = 1) -> list[float]:
+    """Median GPU microseconds of the kernel each (fn, args) of `calls` launches (the one whose
+    name starts with `prefix`), from a jax.profiler trace of `reps` rounds in turns as
+    `timed_interleaved` runs them: the kernel's own duration, without the host's dispatch
+    and wait that a wall-clock time of one call also holds."""
+    import tempfile
+
+    import jax
+
+    for _ in range(warmup):
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(reps):
+                for fn, args in calls:
+                    jax.block_until_ready(fn(*args))
+        events = kernel_events(trace_dir)
+    return per_call_durations(events, calls=len(calls), reps=reps, prefix=prefix)
+
+
+def per_call_durations(events: list[tuple[str, float, float]], *, calls: int, reps: int,
+                       prefix: str) -> list[float]:
+    """Median microseconds of each of `calls` calls made in turns for `reps` rounds, each
+    launching one kernel named `prefix`...: the matching events in start order are call
+    0, 1, ..., calls - 1, 0, 1, ... ValueError when their number is not calls x reps."""
+    durations = [d for name, _, d in sorted(events, key=lambda e: e[1]) if name.startswith(prefix)]
+    if len(durations) != calls * reps:
+        raise ValueError(f"expected {calls} x {reps} kernels named {prefix}..., one a call; "
+                         f"the trace has {len(durations)}")
+    return [statistics.median(durations[i::calls]) / 1e3 for i in range(calls)]
+
+
 def trace_kernels(fn, *args, reps: int, chained: bool = False
                   ) -> tuple[list[tuple[str, float, float]], float]:
     """(`kernel_events` of `reps` calls of fn(*args) under jax.profiler.trace, after a

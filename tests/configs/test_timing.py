@@ -179,3 +179,19 @@ def test_timed_interleaved_calls_the_versions_in_turns():
                                        reps=3, warmup=1)
     assert order == ["a", "b"] * 4
     assert len(medians) == 2 and all(m >= 0 for m in medians)
+
+
+def test_per_call_durations_assigns_kernels_in_turns_and_ignores_others():
+    # Two calls in turns for three rounds (ns), out of start order in the list, with a
+    # glue kernel between them that does not count.
+    events = [("k_b", 3_000, 4_000), ("k_a", 0, 1_000), ("glue", 1_500, 500),
+              ("k_a", 10_000, 3_000), ("k_b", 14_000, 6_000),
+              ("k_a", 30_000, 2_000), ("k_b", 40_000, 5_000)]
+    assert timing.per_call_durations(events, calls=2, reps=3, prefix="k_") == [2.0, 5.0]
+
+
+def test_per_call_durations_refuses_a_count_that_is_not_calls_times_reps():
+    events = [("k", 0, 1_000), ("k", 2_000, 1_000), ("k", 4_000, 1_000)]
+    message = r"expected 2 x 2 kernels named k\.\.\., one a call; the trace has 3"
+    with pytest.raises(ValueError, match=message):
+        timing.per_call_durations(events, calls=2, reps=2, prefix="k")

@@ -72,6 +72,12 @@ BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
 # Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
 # barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
 SHARED_MEMORY = (227 - 4) * 1024
+# Measured on an H200 (2026-11-27, profile_states.py): state_to_rows and row_gradients wait
+# on their ring (2 -> 3 -> 5 slots: 0.73 -> 0.63 -> 0.59 ms a call), so they take as many
+# slots as fit, up to MAX_STAGES (4 with the normalizer's parts); rows_to_state's 8-step
+# chunks pay a program's fixed cost less often over 4 chunks (0.82 -> 0.78 ms).
+MAX_STAGES = 5
+CHUNKS_PER_PROGRAM = 4
 
 
 def _bytes(shape, dtype) -> int:
@@ -98,7 +104,7 @@ def products(acc_refs, operands, rhs) -> None:
 
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
-                  slot_offset: int = 0, chunks_per_program: int = 1):
+                  slot_offset: int = 0, chunks_per_program: int | None = None):
     """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
     S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
     col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
@@ -107,15 +113,18 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
     of TILE_ROWS, D = DIM.
 
-    chunks_per_program (dividing N): consecutive chunks one program sums, one after the
-    other, its ring running on into the next chunk while the last one's states are stored
-    (a program's first copies and last stores, which nothing overlaps while one program
-    holds an SM, then come once per program, not once per chunk). Same sums, same order.
+    chunks_per_program (dividing N; None: gcd(N, CHUNKS_PER_PROGRAM)): consecutive chunks
+    one program sums, one after the other, its ring running on into the next chunk while the
+    last one's states are stored (a program's first copies and last stores, which nothing
+    overlaps while one program holds an SM, then come once per program, not once per
+    chunk). Same sums, same order, whatever the value.
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
     slots = n if slots is None else slots
     _check_slots(slots, n, slot_offset)
+    if chunks_per_program is None:
+        chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
     if chunks_per_program < 1 or n % chunks_per_program:
         raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
     per_wg = features_per_warpgroup(e)
@@ -151,8 +160,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             def sum_and_store(k, _=None):
                 accs = pl.run_scoped(functools.partial(accumulate_all, k),
                                      *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
-                if chunks_per_program > 1:  # the last chunk's stores have read `out`
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
                 for t, acc in enumerate(accs):
                     out.at[wg, t][...] = acc.astype(BF16)
                 plgpu.commit_smem()
@@ -161,10 +169,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                     plgpu.copy_smem_to_gmem(out.at[wg, t], s_ref.at[
                         bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
 
-            if chunks_per_program == 1:  # the default keeps the code it was measured with
-                sum_and_store(0)
-            else:
-                lax.fori_loop(0, chunks_per_program, sum_and_store, None)
+            lax.fori_loop(0, chunks_per_program, sum_and_store, None)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -172,8 +177,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
             def sources(step):
-                chunk, step_in_chunk = ((chunk0, step) if chunks_per_program == 1 else
-                                        (chunk0 + lax.div(step, steps), lax.rem(step, steps)))
+                chunk, step_in_chunk = chunk0 + lax.div(step, steps), lax.rem(step, steps)
                 h = hk * groups + lax.div(step_in_chunk, row_blocks)
                 rows = pl.ds(lax.rem(step_in_chunk, row_blocks) * ROWS, ROWS)
                 return (xt_ref.at[bi, h, chunk, :, rows],
@@ -278,9 +282,10 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     parts_scratch = ([swizzled((3 * d, d), BF16), plgpu.Barrier(num_barriers=1)]
                      if quadratic else [])
     own = own_scratch(*own_specs)
-    # Ring slots: as many as fit (up to 3) beside the own blocks, the outputs and Z's parts.
+    # Ring slots: as many as fit (up to MAX_STAGES) beside the own blocks, the outputs and
+    # Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
-    stages = stages or min(3, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
+    stages = stages or min(MAX_STAGES, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
 
     def kernel(*refs):
         refs = list(refs)

@@ -136,6 +136,41 @@ def test_rows_to_state_sums_several_chunks_a_program_when_asked(monkeypatch):
             state_kernels.rows_to_state(*zeros, kv_heads=hk, chunks_per_program=bad)
 
 
+def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(monkeypatch):
+    """Without chunks_per_program, gcd(N, CHUNKS_PER_PROGRAM) chunks a program: 4 where N
+    allows, else 2, else 1 (an odd N: one a program, as before)."""
+    grids = []
+    real_launch = state_kernels.launch
+    monkeypatch.setattr(state_kernels, "launch",
+                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
+    for n, chunk_axis in ((8, 2), (6, 3), (3, 3)):
+        shapes = (((1, 2, n, D, 128), BF16), ((1, 2, n, D, 128), BF16), ((1, 2, n, 128, 64), BF16))
+        lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=2), *shapes)
+        assert grids[-1][1] == chunk_axis
+
+
+@pytest.mark.parametrize("e, quadratic, stages", [(64, False, 5), (64, True, 4), (128, False, 3),
+                                                  (128, True, 3)])
+def test_state_to_rows_rings_are_as_deep_as_shared_memory_allows(monkeypatch, e, quadratic,
+                                                                  stages):
+    """state_to_rows' ring takes MAX_STAGES slots where they fit beside its own blocks:
+    with the normalizer's parts at E = 64, 5 slots are over the H200's shared memory
+    (241,800 > 232,448 bytes, measured 2026-11-27), so 4; at E = 128 three fit."""
+    depths = []
+    real_scratch = state_kernels.Ring.scratch
+    monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
+        lambda specs, depth, *a, **kw: depths.append(depth) or real_scratch(specs, depth, *a,
+                                                                              **kw)))
+    rows, col = ((1, 2, 1, 256, D), BF16), ((1, 2, 1, D, 256), BF16)
+    shapes = [rows, col, ((1, 2, 1, D * D, e), BF16)]
+    if quadratic:
+        shapes += [((1, 2, 1, 3 * D, D), BF16), ((1, 2, 1, 256), F32)]
+    lowered(lambda *x: state_kernels.state_to_rows(
+        *x[:3], transposed=False,
+        normalizer=state_kernels.Normalizer(*x[3:]) if quadratic else None), *shapes)
+    assert depths[-1] == stages
+
+
 def test_the_quadratic_form_takes_the_rows_not_a_transposed_product():
     x = jnp.zeros((1, 2, 1, 128, D), BF16)
     normalizer = state_kernels.Normalizer(jnp.zeros((1, 2, 1, 3 * D, D), BF16),
