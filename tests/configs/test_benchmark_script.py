@@ -28,6 +28,7 @@ def test_a_sweep_case_runs_and_reports(tmp_path):
     (row,) = json.loads((tmp_path / "benchmark.json").read_text())
     assert row["impl"] == "xla:attention" and row["t"] == 256 and row["h"] == 2
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and "paired_ms" not in row
+    assert row["fwd_bwd_pipelined_ms"] > 0
     header, line = proc.stdout.strip().splitlines()[-2:]
     assert header.split()[-1] == "paired" and line.split()[-1] == "-"
 

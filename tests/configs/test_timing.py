@@ -195,3 +195,15 @@ def test_per_call_durations_refuses_a_count_that_is_not_calls_times_reps():
     message = r"expected 2 x 2 kernels named k\.\.\., one a call; the trace has 3"
     with pytest.raises(ValueError, match=message):
         timing.per_call_durations(events, calls=2, reps=2, prefix="k")
+
+
+def test_timed_pipelined_dispatches_every_call_and_waits_once(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    calls, waits = [], []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(1) or real_wait(x))
+    ms = timing.timed_pipelined(lambda x: calls.append(1) or x + 1, jnp.ones(3), reps=5,
+                                warmup=2)
+    assert ms >= 0 and len(calls) == 7 and len(waits) == 3  # two warm-ups, then one wait
