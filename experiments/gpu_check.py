@@ -323,7 +323,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     layout of the in-place prefix sum: S written at slots 1..N of N + 1 (slot_offset=1),
     also by one program walking all N chunks (chunks_per_program=N) and by one program a
     chunk (the default walks up to 4), y and dx read from there (slot 0 NaN: a read of it
-    fails the row)."""
+    fails the row), each also by one program walking all N chunks."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -365,14 +365,15 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                 *((sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
                                     chunks_per_program=k)[:, :, 1:],
                    sk.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
-                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1),
-                 sk.state_to_rows_reference(x, col, s, transposed=False)),
-                (sk.row_gradients(a, x, col, slotted, slot_offset=1)[0],
-                 sk.row_gradients_reference(a, x, col, s)[0])]
+                *((sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1,
+                                    chunks_per_program=k),
+                   sk.state_to_rows_reference(x, col, s, transposed=False)) for k in (1, n)),
+                *((sk.row_gradients(a, x, col, slotted, slot_offset=1, chunks_per_program=k)[0],
+                   sk.row_gradients_reference(a, x, col, s)[0]) for k in (1, n))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
-             "S_one", "y_slots", "dx_slots")
+             "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

@@ -18,14 +18,15 @@ jitted programs (their XLA glue included), for a per-kernel summary of each.
 
 Variants: --options=stages=2,stages=4,chunks_per_program=2 times each kernel at its
 defaults and under each entry whose keywords it takes (`stages`: its ring's depth;
-`chunks_per_program`: rows_to_state's chunks a program), all in turns in one process
+`chunks_per_program`: the chunks a program takes in turn; with the normalizer,
+state_to_rows and row_gradients refuse more than one, named), all in turns in one process
 (`timed_interleaved`: their ratios free of the machine's drift), to tell whether a kernel
 waits on its copies or on its fixed cost a program. Each variant's output is compared with
 the default's on the same inputs (the same sums: 0 expected); one that does not run (a
 ring deeper than shared memory holds) is named with its error and left out:
 
   PYTHONPATH=. python3 experiments/profile_states.py --reps=30 \
-      --options="stages=2,stages=4,stages=5,chunks_per_program=2,chunks_per_program=4"
+      --options="chunks_per_program=1,chunks_per_program=2,chunks_per_program=4"
 
 --lower only lowers each variant for CUDA and names it (no GPU needed: what a CPU test
 runs before a GPU call is spent on it).

@@ -19,8 +19,8 @@ def without(*names):
     return wrap
 
 sk.rows_to_state = without("chunks_per_program", "stages")(sk.rows_to_state_reference)
-sk.state_to_rows = without("stages")(sk.state_to_rows_reference)
-sk.row_gradients = without("stages")(sk.row_gradients_reference)
+sk.state_to_rows = without("chunks_per_program", "stages")(sk.state_to_rows_reference)
+sk.row_gradients = without("chunks_per_program", "stages")(sk.row_gradients_reference)
 for scales in ("ordinary", "full"):
     rows = gpu_check.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
     print(scales, [(name, ok) for name, _, _, ok in rows])
@@ -31,6 +31,6 @@ def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
     done = run("-c", SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     names = ["S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
-             "S_one", "y_slots", "dx_slots"]
+             "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks"]
     for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
         assert line == f"{scales} {[(name, True) for name in names]}", line

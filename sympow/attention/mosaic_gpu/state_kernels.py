@@ -28,7 +28,8 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
   chunks_per_program > 1 a program does so for consecutive chunks in turn.
 - state_to_rows: one program per (128 or 256 rows, chunk, head); each warpgroup holds its
   one or two 64-row blocks of x (or a) and col; the ring walks the D blocks S_i of the
-  chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks.
+  chunk's state two at a time (BLOCKS_PER_STEP), each read once for both row blocks (with
+  chunks_per_program > 1, of consecutive chunks in turn, the rows loaded for each).
 Every operand of a step is built before the step's products are issued (`products`).
 """
 
@@ -125,8 +126,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     _check_slots(slots, n, slot_offset)
     if chunks_per_program is None:
         chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
-    if chunks_per_program < 1 or n % chunks_per_program:
-        raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
+    _check_chunks_per_program(chunks_per_program, n)
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
@@ -195,6 +195,11 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
         grid_names=("features", "chunk", "bh"), args=(xt, col, a))
 
 
+def _check_chunks_per_program(chunks_per_program: int, n: int) -> None:
+    if chunks_per_program < 1 or n % chunks_per_program:
+        raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
+
+
 def _check_slots(slots: int, n: int, slot_offset: int) -> None:
     """A state array's slots must hold chunk n at slot n + slot_offset for every n < N."""
     if slot_offset < 0 or slots < n + slot_offset:
@@ -217,7 +222,7 @@ class Normalizer(NamedTuple):
 
 
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
-                  stages: int | None = None, slot_offset: int = 0):
+                  stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
     den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
@@ -227,15 +232,19 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     head h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
     stages: ring slots (default: as many as fit in shared memory). slot_offset: chunk n
     reads s at slot n + slot_offset (s may hold more slots than N; Z's parts stay by chunk).
+    chunks_per_program (dividing N; without a normalizer): consecutive chunks one program
+    takes in turn, its ring running on into the next chunk's blocks S_i while the last
+    chunk's rows are stored, its own rows loaded again for each (a variant to measure, not
+    yet run on a GPU; 1, the default, is the code measured).
     """
     if normalizer is not None and transposed:
         raise ValueError("normalizer: the quadratic form takes the rows x (transposed=False)")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
-                          slot_offset=slot_offset)
+                          slot_offset=slot_offset, chunks_per_program=chunks_per_program)
 
 
 def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
-                  stages: int | None = None, slot_offset: int = 0):
+                  stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1):
     """(dx [B, Hx, N, C, D] bf16, dls [B, Hx, N, C] float32): the row gradients of
     sum_r phi(u_r) . (S a_r) (+ w_r x_r^T Z x_r with a `normalizer`) with u = x e^ls,
     col = x^T e^(2 ls): dx_r = 2 sum_j col[j, r] a_r S_j^T (the transposed `state_to_rows`,
@@ -243,15 +252,15 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     cotangent: both terms are homogeneous of degree 2 in u), all from float32 in the
     kernel's epilogue (one read of dx less, and dx leaves in bf16).
 
-    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s, slot_offset as
-    `state_to_rows`.
+    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s, slot_offset,
+    chunks_per_program as `state_to_rows`.
     """
     return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
-                          slot_offset=slot_offset)
+                          slot_offset=slot_offset, chunks_per_program=chunks_per_program)
 
 
 def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None,
-                   slot_offset: int):
+                   slot_offset: int, chunks_per_program: int):
     """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
     quadratic form of its Z against the rows x (three products with Z's parts per block of
     rows, after the state's) in the epilogue."""
@@ -261,6 +270,11 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     _check_slots(s.shape[2], n, slot_offset)
     groups, width = hx // hk, d if transposed else e
     gradient, quadratic = x is not None, normalizer is not None
+    _check_chunks_per_program(chunks_per_program, n)
+    if chunks_per_program > 1 and quadratic:
+        raise ValueError(f"chunks_per_program={chunks_per_program}: a program takes one chunk "
+                         f"with a normalizer (Z's parts are one chunk's)")
+    several = chunks_per_program > 1
     # 64-row blocks per warpgroup: two share each S_i read (half the traffic per product)
     # where their shared memory fits (E = 64: 202 KiB with the ring and Z's parts).
     sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
@@ -299,20 +313,23 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
         outs = rest[len(parts_scratch):]
         ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
-        bi, h, chunk = lax.div(bh, hx), lax.rem(bh, hx), lax.axis_index("chunk")
+        bi, h = lax.div(bh, hx), lax.rem(bh, hx)
+        chunk = lax.axis_index("chunk")  # with several chunks a program, its first
+        chunk = chunk * chunks_per_program if several else chunk
         kv = lax.div(h, groups)
         mine = pl.ds((lax.axis_index("tile") * COMPUTE_WGS + wg) * rows_per_wg, rows_per_wg)
+        steps = d // per_step  # ring steps a chunk
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        def one_chunk(chunk, k):  # a compute warpgroup's rows of chunk `chunk`, k-th here
             rows_smem, col_smem = own[:2]
             x_smem = own[2] if gradient else rows_smem  # the rows of the quadratic form
             sources = [rows_ref.at[bi, h, chunk, mine], col_ref.at[bi, h, chunk, :, mine]]
             sources += [x_ref.at[bi, h, chunk, mine]] if gradient else []
             sources += [weights_ref.at[bi, h, chunk, mine]] if quadratic else []
+            if several:  # the last chunk's reads of the own blocks done before they refill
+                plgpu.commit_smem()
             load_own(list(zip(sources, own, strict=True)), wg, own_bars)
-            blocks = [pl.ds(k * ROWS, ROWS) for k in range(sub)]
+            blocks = [pl.ds(j * ROWS, ROWS) for j in range(sub)]
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
@@ -331,11 +348,13 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     products(acc_refs * per_step, operands, rhs)
                     ring.release(slot)
 
-                lax.fori_loop(0, d // per_step, visit, None)
+                lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
             accs = pl.run_scoped(accumulate_all,
                                  *(plgpu.ACC((ROWS, width), F32) for _ in range(sub)))
+            if several:  # the last chunk's stores have read the outputs' shared memory
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if quadratic:
                 plgpu.barrier_wait(parts_bar.at[0])
             for r, acc in zip(blocks, accs, strict=True):
@@ -354,6 +373,14 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             plgpu.commit_smem()
             for buf, out_ref in zip(outs, out_refs, strict=True):
                 plgpu.copy_smem_to_gmem(buf.at[wg], out_ref.at[bi, h, chunk, mine])
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            if several:
+                lax.fori_loop(0, chunks_per_program, lambda k, _: one_chunk(chunk + k, k), None)
+            else:
+                one_chunk(chunk, 0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -361,8 +388,13 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             if quadratic:
                 plgpu.copy_gmem_to_smem(parts_ref.at[bi, kv, chunk], parts_smem, parts_bar.at[0])
-            ring.fill(d // per_step, lambda step: (
-                s_ref.at[bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
+            if several:
+                ring.fill(chunks_per_program * steps, lambda step: (s_ref.at[
+                    bi, kv, chunk + lax.div(step, steps) + slot_offset,
+                    pl.ds(lax.rem(step, steps) * per_step * d, per_step * d)],))
+            else:
+                ring.fill(steps, lambda step: (s_ref.at[
+                    bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
 
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
     ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
@@ -370,7 +402,8 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     result = launch(
         kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",
         out_type=out_type, scratch=(own, own_bars, *ring, *parts_scratch, *out_scratch),
-        grid=(c // (COMPUTE_WGS * rows_per_wg), n, b * hx), grid_names=("tile", "chunk", "bh"),
+        grid=(c // (COMPUTE_WGS * rows_per_wg), n // chunks_per_program, b * hx),
+        grid_names=("tile", "chunk", "bh"),
         args=inputs)
     return tuple(result) if len(out_type) > 1 else result[0]
 

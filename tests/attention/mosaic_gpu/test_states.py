@@ -149,6 +149,44 @@ def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(monkeypatch)
         assert grids[-1][1] == chunk_axis
 
 
+@pytest.mark.parametrize("gradient", [False, True])
+def test_state_to_rows_takes_several_chunks_a_program_when_asked(monkeypatch, gradient):
+    """chunks_per_program on state_to_rows and row_gradients: the grid's chunk axis shrinks
+    by it and the call still lowers to one Mosaic GPU kernel of the same output; a count
+    that does not divide N, or one over 1 with a normalizer (Z's parts are one chunk's), is
+    refused by name. (Sums: `gpu_check.py --only=primitives --cases=states`, rows y_chunks
+    and dx_chunks.)"""
+    b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
+    grids = []
+    real_launch = state_kernels.launch
+    monkeypatch.setattr(state_kernels, "launch",
+                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
+    x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
+    col, s = ((b, hq, n, D, c), BF16), ((b, hk, n + 1, D * D, e), BF16)
+
+    def call(*arrays, k, normalizer=None):
+        if gradient:
+            return state_kernels.row_gradients(*arrays, slot_offset=1, chunks_per_program=k,
+                                               normalizer=normalizer)
+        return state_kernels.state_to_rows(*arrays, transposed=False, slot_offset=1,
+                                           chunks_per_program=k, normalizer=normalizer)
+
+    shapes = (a, x, col, s) if gradient else (x, col, s)
+    for per_program in (1, 2, 4):
+        text = lowered(lambda *z, k=per_program: call(*z, k=k), *shapes)
+        assert text.count("@mosaic_gpu") == 1
+        assert f"tensor<{b}x{hq}x{n}x{c}x{D if gradient else e}x" in text
+        assert grids[-1][1] == n // per_program
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
+    with pytest.raises(ValueError, match="chunks_per_program=3 must divide the 4"):
+        call(*zeros, k=3)
+    normalizer = state_kernels.Normalizer(jnp.zeros((b, hk, n, 3 * D, D), BF16),
+                                          jnp.zeros((b, hq, n, c), F32))
+    with pytest.raises(ValueError, match="chunks_per_program=2: a program takes one chunk "
+                                         "with a normalizer"):
+        call(*zeros, k=2, normalizer=normalizer)
+
+
 @pytest.mark.parametrize("e, quadratic, stages", [(64, False, 5), (64, True, 4), (128, False, 3),
                                                   (128, True, 3)])
 def test_state_to_rows_rings_are_as_deep_as_shared_memory_allows(monkeypatch, e, quadratic,
