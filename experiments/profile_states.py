@@ -4,8 +4,8 @@
   PYTHONPATH=. python3 experiments/profile_states.py --primitives  # with the XLA glue
 
 Each kernel's time is its duration in a jax.profiler trace (the GPU's own), beside the
-median wall time of a call, which also holds the host's dispatch and wait (~0.2 ms a call
-on an H200 on 2026-11-27: a wall time alone understates the kernels' rate by a third).
+median wall time of a call, which also holds the host's dispatch and wait (0.2-0.35 ms a
+call on an H200 on 2026-11-27: a wall time alone understates the kernels' rate by a third).
 Under ncu (docs/kernels.md, Next steps) the first two kernels profiled on 2026-11-27 and
 row_gradients did not (ncu stopped at it).
 
@@ -215,7 +215,7 @@ def main(argv):
     calls = [(fn, args) for _, fn, args in runnable]
     walls = timed_interleaved(calls, reps=_REPS.value)
     # The kernels' own durations: a call's wall time also holds the host's dispatch and wait
-    # (~0.2 ms a call on an H200 on 2026-11-27, against ncu's durations).
+    # (0.2-0.35 ms a call on an H200 on 2026-11-27, against ncu's and the trace's).
     kernel_us = kernel_times_interleaved(calls, reps=_REPS.value, prefix="sympow_states")
     for (name, _, _), ms, us in zip(runnable, walls, kernel_us, strict=True):
         print(f"{name:40s} kernel {us:7.1f} us  {flop / us / 1e6:6.1f} TFLOP/s  wall {ms:7.3f} "

@@ -47,11 +47,13 @@ def timed(fn, *args, reps: int, warmup: int = 2) -> float:
 
 def timed_pipelined(fn, *args, reps: int, warmup: int = 2) -> float:
     """Milliseconds a call of `reps` calls of fn(*args) dispatched back to back with one wait
-    at the end (after `warmup` waited calls): the device's time a call, with the host's
-    dispatch of each call hidden behind the previous one's work, as inside a training step
-    or a model's jit. `timed` waits for each call, so its time also holds the dispatch and
-    the wait (the chunked attention's 57 kernels on an H200, 2026-11-27: GPU busy 5.40 ms a
-    call, 5.9-6.0 waited, 5.73 pipelined)."""
+    at the end (after `warmup` waited calls): the slower of the device's time and the
+    host's dispatch a call (each call's dispatch overlaps the previous calls' work), plus
+    the first dispatch and the last wait spread over `reps`. Where the device is the
+    slower, as for long attention calls, this is near its time a call, as inside a training
+    step; for small calls it can be the host's. `timed` waits for each call, so its time
+    holds both (the chunked attention's 57 kernels on an H200, 2026-11-27: GPU busy 5.40 ms
+    a call in a profile, 5.9-6.0 waited, 5.73 pipelined)."""
     import jax
 
     for _ in range(warmup):
@@ -86,10 +88,11 @@ def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
 
 
 def kernel_times_interleaved(calls, *, reps: int, prefix: str, warmup: int = 1) -> list[float]:
-    """Median GPU microseconds of the kernel each (fn, args) of `calls` launches (the one whose
-    name starts with `prefix`), from a jax.profiler trace of `reps` rounds in turns as
-    `timed_interleaved` runs them: the kernel's own duration, without the host's dispatch
-    and wait that a wall-clock time of one call also holds."""
+    """Median GPU microseconds of the one kernel each (fn, args) of `calls` launches whose
+    name starts with `prefix` (one a call: `per_call_durations` checks the count), from a
+    jax.profiler trace of `reps` rounds in turns as `timed_interleaved` runs them: the
+    kernel's own duration, without the host's dispatch and wait that a wall-clock time of
+    one call also holds."""
     import tempfile
 
     import jax

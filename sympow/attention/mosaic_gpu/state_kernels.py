@@ -333,13 +333,14 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
-                def visit(step, _):  # blocks S_i, i = per_step step + u
-                    slot = ring.slot(step)
+                def visit(step, _):  # blocks S_i, i = per_step (step - k steps) + u
+                    slot = ring.slot(step)  # the ring's step counts over the chunks
+                    step_in_chunk = step - k * steps if several else step
                     (slab,) = ring.wait(slot, 0)  # [per_step D, E]
                     operands, rhs = [], []
                     for u in range(per_step):
                         block = slab.at[pl.ds(u * d, d)]  # S_i [D, E]
-                        i = step * per_step + u
+                        i = step_in_chunk * per_step + u
                         scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
                                   for r in blocks]
                         operands += [base * by_rows(x.astype(BF16), base.shape)
