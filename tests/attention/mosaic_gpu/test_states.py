@@ -109,58 +109,52 @@ def test_the_kernels_take_states_in_slots():
                                               slots=n, slot_offset=1)
 
 
-def test_rows_to_state_sums_several_chunks_a_program_when_asked(monkeypatch):
+@pytest.fixture
+def launch_grids(monkeypatch):
+    """The grid of every state kernel launched (lowered) while the test runs, in order."""
+    grids = []
+    real_launch = state_kernels.launch
+    monkeypatch.setattr(state_kernels, "launch",
+                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
+    return grids
+
+
+def test_rows_to_state_sums_several_chunks_a_program_when_asked(launch_grids):
     """chunks_per_program: the grid's chunk axis shrinks by it (each program walks that many
     chunks), the kernel still lowers to one Mosaic GPU kernel with the same output; a count
     that does not divide N is refused by name. (Its sums are checked on a GPU:
     `gpu_check.py --only=primitives --cases=states`, row S_chunks.)"""
     b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
-    grids = []
-    real_launch = state_kernels.launch
-
-    def recording_launch(*args, **kwargs):
-        grids.append(kwargs["grid"])
-        return real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(state_kernels, "launch", recording_launch)
     shapes = (((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
     for per_program, chunk_axis in ((1, n), (2, n // 2), (4, 1)):
         text = lowered(lambda *x, k=per_program: state_kernels.rows_to_state(
             *x, kv_heads=hk, slots=n + 1, slot_offset=1, chunks_per_program=k), *shapes)
         assert text.count("@mosaic_gpu") == 1
         assert f"tensor<{b}x{hk}x{n + 1}x{D * D}x{e}xbf16>" in text
-        assert grids[-1][1:] == (chunk_axis, b * hk)
+        assert launch_grids[-1][1:] == (chunk_axis, b * hk)
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
     for bad in (0, 3):
         with pytest.raises(ValueError, match=f"chunks_per_program={bad} must divide the 4"):
             state_kernels.rows_to_state(*zeros, kv_heads=hk, chunks_per_program=bad)
 
 
-def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(monkeypatch):
+def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(launch_grids):
     """Without chunks_per_program, gcd(N, CHUNKS_PER_PROGRAM) chunks a program: 4 where N
     allows, else 2, else 1 (an odd N: one a program, as before)."""
-    grids = []
-    real_launch = state_kernels.launch
-    monkeypatch.setattr(state_kernels, "launch",
-                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
     for n, chunk_axis in ((8, 2), (6, 3), (3, 3)):
         shapes = (((1, 2, n, D, 128), BF16), ((1, 2, n, D, 128), BF16), ((1, 2, n, 128, 64), BF16))
         lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=2), *shapes)
-        assert grids[-1][1] == chunk_axis
+        assert launch_grids[-1][1] == chunk_axis
 
 
 @pytest.mark.parametrize("gradient", [False, True])
-def test_state_to_rows_takes_several_chunks_a_program_when_asked(monkeypatch, gradient):
+def test_state_to_rows_takes_several_chunks_a_program_when_asked(launch_grids, gradient):
     """chunks_per_program on state_to_rows and row_gradients: the grid's chunk axis shrinks
     by it and the call still lowers to one Mosaic GPU kernel of the same output; a count
     that does not divide N, or one over 1 with a normalizer (Z's parts are one chunk's), is
     refused by name. (Sums: `gpu_check.py --only=primitives --cases=states`, rows y_chunks
     and dx_chunks.)"""
     b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
-    grids = []
-    real_launch = state_kernels.launch
-    monkeypatch.setattr(state_kernels, "launch",
-                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
     x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
     col, s = ((b, hq, n, D, c), BF16), ((b, hk, n + 1, D * D, e), BF16)
 
@@ -176,7 +170,7 @@ def test_state_to_rows_takes_several_chunks_a_program_when_asked(monkeypatch, gr
         text = lowered(lambda *z, k=per_program: call(*z, k=k), *shapes)
         assert text.count("@mosaic_gpu") == 1
         assert f"tensor<{b}x{hq}x{n}x{c}x{D if gradient else e}x" in text
-        assert grids[-1][1] == n // per_program
+        assert launch_grids[-1][1] == n // per_program
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
     with pytest.raises(ValueError, match="chunks_per_program=3 must divide the 4"):
         call(*zeros, k=3)
