@@ -216,7 +216,8 @@ def main(argv):
     walls = timed_interleaved(calls, reps=_REPS.value)
     # The kernels' own durations: a call's wall time also holds the host's dispatch and wait
     # (0.2-0.35 ms a call on an H200 on 2026-11-27, against ncu's and the trace's).
-    kernel_us = kernel_times_interleaved(calls, reps=_REPS.value, prefix="sympow_states")
+    kernel_us = kernel_times_interleaved(calls, reps=_REPS.value, prefix="sympow_states",
+                                         warmup=0)  # warmed by the wall times' rounds
     for (name, _, _), ms, us in zip(runnable, walls, kernel_us, strict=True):
         print(f"{name:40s} kernel {us:7.1f} us  {flop / us / 1e6:6.1f} TFLOP/s  wall {ms:7.3f} "
               f"ms (medians of {_REPS.value}, in turns)", flush=True)

@@ -66,6 +66,15 @@ def timed_pipelined(fn, *args, reps: int, warmup: int = 2) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
+def call_in_turns(calls, *, rounds: int) -> None:
+    """`rounds` rounds, each calling every (fn, args) of `calls` once, each call waited for."""
+    import jax
+
+    for _ in range(rounds):
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+
+
 def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
     """Median milliseconds of each (fn, args) of `calls`, timed in turns: each round calls
     every fn once (each ended by block_until_ready), `reps` rounds after `warmup`. Versions
@@ -75,9 +84,7 @@ def timed_interleaved(calls, *, reps: int, warmup: int = 2) -> list[float]:
     calls on H200s (docs/benchmarks.md, 2026-11-26)."""
     import jax
 
-    for _ in range(warmup):
-        for fn, args in calls:
-            jax.block_until_ready(fn(*args))
+    call_in_turns(calls, rounds=warmup)
     times = [[] for _ in calls]
     for _ in range(reps):
         for (fn, args), column in zip(calls, times, strict=True):
@@ -97,14 +104,10 @@ def kernel_times_interleaved(calls, *, reps: int, prefix: str, warmup: int = 1) 
 
     import jax
 
-    for _ in range(warmup):
-        for fn, args in calls:
-            jax.block_until_ready(fn(*args))
+    call_in_turns(calls, rounds=warmup)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            for _ in range(reps):
-                for fn, args in calls:
-                    jax.block_until_ready(fn(*args))
+            call_in_turns(calls, rounds=reps)
         events = kernel_events(trace_dir)
     return per_call_durations(events, calls=len(calls), reps=reps, prefix=prefix)
 
