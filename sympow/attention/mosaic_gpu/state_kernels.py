@@ -98,14 +98,17 @@ def products(acc_refs, operands, rhs) -> None:
     alive past the call that consumes it: building the next operand while a product runs
     could reuse those registers (it did: wrong sums at E = 128). So every operand of a step
     is built first, all products issued, and the step waits for them; the other compute
-    warpgroup's products fill the tensor cores meanwhile."""
+    warpgroup's products fill the tensor cores meanwhile. (Building each operand just
+    before its product, every operand kept alive past the wait by an optimization
+    barrier, measured the same on an H200, 2026-11-27: ptxas schedules both alike.)"""
     for acc_ref, operand, b in zip(acc_refs, operands, rhs, strict=True):
         plgpu.wgmma(acc_ref, operand, b)
     plgpu.wgmma_wait(0)
 
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
-                  slot_offset: int = 0, chunks_per_program: int | None = None):
+                  slot_offset: int = 0, chunks_per_program: int | None = None,
+                  step_barriers: int = 1):
     """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
     S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
     col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
@@ -119,6 +122,11 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     last one's states are stored (a program's first copies and last stores, which nothing
     overlaps while one program holds an SM, then come once per program, not once per
     chunk). Same sums, same order, whatever the value.
+
+    step_barriers: 1, a step's three blocks (xt, col, a) arrive on one barrier, which a
+    compute warpgroup checks once a step (they are used together); 3, a barrier each (the
+    layout before 2026-11-27, kept to measure against: each check is a round trip, and
+    the three held ~10 % of the kernel's warp samples, ncu, H200).
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
@@ -127,13 +135,16 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     if chunks_per_program is None:
         chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
     _check_chunks_per_program(chunks_per_program, n)
+    if step_barriers not in (1, 3):
+        raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
+    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
     groups, row_blocks = hx // kv_heads, c // ROWS
     steps = groups * row_blocks
 
     def kernel(xt_ref, col_ref, a_ref, s_ref, ring_arrays, ring_loaded, ring_freed, out):
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
         chunk0 = lax.axis_index("chunk") * chunks_per_program  # this program's first chunk
@@ -146,12 +157,14 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
             def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
                 def visit(step, _):
                     slot = ring.slot(step)
-                    xt_block = plgpu.load(ring.wait(slot, 0)[0], (), layout=WGMMA)  # [D, ROWS]
-                    (col_rows,) = ring.wait(slot, 1)  # [per_program, ROWS]: col_i of the block
+                    # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
+                    blocks = [ref for g in range(len(ring.groups)) for ref in ring.wait(slot, g)]
+                    xt_smem, col_rows, a_smem = blocks
+                    xt_block = plgpu.load(xt_smem, (), layout=WGMMA)
                     scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
                               for t in range(per_wg)]
                     products(acc_refs, [xt_block * by_cols(x.astype(BF16)) for x in scales],
-                             list(ring.wait(slot, 2)) * per_wg)
+                             [a_smem] * per_wg)
                     ring.release(slot)
 
                 lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
@@ -186,7 +199,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
 
             ring.fill(chunks_per_program * steps, sources)
 
-    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages)
+    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages,
+                        ring_groups)
     return launch(
         kernel, name="sympow_states_rows_to_state",
         out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),

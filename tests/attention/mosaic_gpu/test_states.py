@@ -147,6 +147,25 @@ def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(launch_grids
         assert launch_grids[-1][1] == chunk_axis
 
 
+def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
+    """A step's xt, col and a blocks share one ring barrier (one check a step, not three);
+    step_barriers=3 keeps a barrier each; any other count is refused by name."""
+    groups = []
+    real_scratch = state_kernels.Ring.scratch
+    monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
+        lambda specs, stages, ring_groups=None: groups.append(ring_groups)
+        or real_scratch(specs, stages, ring_groups)))
+    shapes = (((1, 2, 2, D, 256), BF16), ((1, 2, 2, D, 256), BF16), ((1, 2, 2, 256, 64), BF16))
+    for step_barriers, expected in ((1, [(0, 1, 2)]), (3, None)):
+        text = lowered(lambda *x, k=step_barriers: state_kernels.rows_to_state(
+            *x, kv_heads=2, step_barriers=k), *shapes)
+        assert text.count("@mosaic_gpu") == 1
+        assert groups[-1] == expected
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
+    with pytest.raises(ValueError, match="step_barriers=2: 1"):
+        state_kernels.rows_to_state(*zeros, kv_heads=2, step_barriers=2)
+
+
 @pytest.mark.parametrize("gradient", [False, True])
 def test_state_to_rows_takes_several_chunks_a_program_when_asked(launch_grids, gradient):
     """chunks_per_program on state_to_rows and row_gradients: the grid's chunk axis shrinks
