@@ -269,6 +269,6 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2,
         name="sympow_attention_fwd",
         out_type=[jax.ShapeDtypeStruct(o_shape, o_dtype),
                   *(jax.ShapeDtypeStruct((b, hq, n, c), F32) for _ in range(3))],
-        scratch=(own, own_bars, *ring, out), grid=(tiles, n, b * hq),
-        grid_names=("tile", "chunk", "bh"),
+        scratch=(own, own_bars, *ring, out), grid=(n, b * hq, tiles),
+        grid_names=("chunk", "bh", "tile"),
         args=(q, k, v, a, head, tail, block_totals(a), jnp.exp(tail)))

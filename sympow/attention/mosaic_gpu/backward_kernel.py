@@ -285,7 +285,7 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
                  # a step's row sums, the pair totals of up to ROWS steps (dk and dv leave
                  # through the ring's q and dO slots)
                  own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR)),
-        grid=(tiles, n, b * hk), grid_names=("tile", "chunk", "bh"),
+        grid=(n, b * hk, tiles), grid_names=("chunk", "bh", "tile"),
         args=(q, k, v, a, head, tail, block_totals(a), m, scales, do, dden, dq_off))
     return assemble(q, dq_off[...], dq_diag, diagonal, pairs, p=p), (dk, dv, dtail)
 

@@ -206,8 +206,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
         kernel, name="sympow_states_rows_to_state",
         out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
         scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
-        grid=(d // per_program, n // chunks_per_program, b * kv_heads),
-        grid_names=("features", "chunk", "bh"), args=(xt, col, a))
+        grid=(n // chunks_per_program, b * kv_heads, d // per_program),
+        grid_names=("chunk", "bh", "features"), args=(xt, col, a))
 
 
 def _check_chunks_per_program(chunks_per_program: int, n: int) -> None:
@@ -418,8 +418,8 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     result = launch(
         kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",
         out_type=out_type, scratch=(own, own_bars, *ring, *parts_scratch, *out_scratch),
-        grid=(c // (COMPUTE_WGS * rows_per_wg), n // chunks_per_program, b * hx),
-        grid_names=("tile", "chunk", "bh"),
+        grid=(n // chunks_per_program, b * hx, c // (COMPUTE_WGS * rows_per_wg)),
+        grid_names=("chunk", "bh", "tile"),
         args=inputs)
     return tuple(result) if len(out_type) > 1 else result[0]
 

@@ -348,3 +348,34 @@ def test_a_ring_needs_a_barrier_ring_per_group():
     with pytest.raises(ValueError, match="1 barrier groups need as many barrier rings; got 2"):
         blocks.Ring.of(arrays, loaded, freed, [(0, 1)])
 
+
+
+def test_programs_that_read_the_same_blocks_are_neighbours_on_the_grid(monkeypatch):
+    """The last grid axis (CUDA's x, dispatched fastest) is the one whose programs share
+    their streamed blocks: a chunk's tiles in the attention kernels, a state's feature
+    groups in rows_to_state, a chunk's row tiles in state_to_rows; then the heads (a GQA
+    group's heads share k and v, or the state), then the chunks."""
+    from sympow.attention.mosaic_gpu import state_kernels
+
+    grids = {}
+    for module in (attention_kernels, backward_kernel, state_kernels):
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda *a, real=real, **kw: grids.__setitem__(
+            kw["name"], list(zip(kw["grid_names"], kw["grid"], strict=True))) or real(*a, **kw))
+    b, hq, hk, n, c, d, e = 1, 4, 2, 2, 256, 64, 64
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    shapes = operands(b, hq, hk, n, c, d, e, False)
+    lowered(lambda *x: attention_kernels.attention_fwd(*x, p=2), *shapes)
+    lowered(lambda *x: backward_kernel.attention_bwd(*x, p=2), *shapes, ((b, hq, n, c), f32),
+            ((b, hq, n, c), f32), (wide(b, hq, n, c, e, False), bf16), ((b, hq, n, c), f32))
+    lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk, chunks_per_program=1),
+            ((b, hq, n, d, c), bf16), ((b, hq, n, d, c), bf16), ((b, hq, n, c, e), bf16))
+    lowered(lambda *x: state_kernels.state_to_rows(*x, transposed=False),
+            ((b, hq, n, c, d), bf16), ((b, hq, n, d, c), bf16), ((b, hk, n, d * d, e), bf16))
+    tiles = c // blocks.TILE_ROWS
+    assert grids == {  # (axis, size) from the slowest to the fastest
+        "sympow_attention_fwd": [("chunk", n), ("bh", b * hq), ("tile", tiles)],
+        "sympow_attention_bwd": [("chunk", n), ("bh", b * hk), ("tile", tiles)],
+        "sympow_states_rows_to_state": [("chunk", n), ("bh", b * hk), ("features", 8)],
+        "sympow_states_state_to_rows": [("chunk", n), ("bh", b * hq), ("tile", 1)],
+    }
