@@ -264,6 +264,13 @@ class Ring:
         plgpu.barrier_wait(self.loaded[group].at[slot])
         return tuple(self.arrays[index].at[slot] for index in self.groups[group])
 
+    def wait_all(self, slot) -> tuple:
+        """The blocks in `slot` of every array, in the arrays' order, once all have landed
+        (each group's barrier waited for, in the groups' order)."""
+        for group in range(len(self.groups)):
+            self.wait(slot, group)
+        return tuple(array.at[slot] for array in self.arrays)
+
     def release(self, slot) -> None:
         plgpu.barrier_arrive(self.freed.at[slot])
 
@@ -271,8 +278,7 @@ class Ring:
         """A step this warpgroup does not need: waited for (every barrier's phase stays in
         step with the other warpgroup's) and released."""
         slot = self.slot(step)
-        for group in range(len(self.groups)):
-            self.wait(slot, group)
+        self.wait_all(slot)
         self.release(slot)
 
 

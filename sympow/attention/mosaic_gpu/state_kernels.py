@@ -159,8 +159,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                 def visit(step, _):
                     slot = ring.slot(step)
                     # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
-                    blocks = [ref for g in range(len(ring.groups)) for ref in ring.wait(slot, g)]
-                    xt_smem, col_rows, a_smem = blocks
+                    xt_smem, col_rows, a_smem = ring.wait_all(slot)
                     xt_block = plgpu.load(xt_smem, (), layout=WGMMA)
                     scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
                               for t in range(per_wg)]
