@@ -324,7 +324,10 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     layout of the in-place prefix sum: S written at slots 1..N of N + 1 (slot_offset=1),
     also by one program walking all N chunks (chunks_per_program=N) and by one program a
     chunk (the default walks up to 4), y and dx read from there (slot 0 NaN: a read of it
-    fails the row), each also by one program walking all N chunks."""
+    fails the row), each also by one program walking all N chunks; then state_to_rows over
+    the upper blocks of S (`upper`, against its definition: the square sum with feature
+    (i, j) weighted by `state_kernels.upper_weights`) for y, y and den with the normalizer,
+    y from the slots."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -370,17 +373,26 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                                     chunks_per_program=k),
                    sk.state_to_rows_reference(x, col, s, transposed=False)) for k in (1, n)),
                 *((sk.row_gradients(a, x, col, slotted, slot_offset=1, chunks_per_program=k)[0],
-                   sk.row_gradients_reference(a, x, col, s)[0]) for k in (1, n))]
+                   sk.row_gradients_reference(a, x, col, s)[0]) for k in (1, n)),
+                # over the upper blocks of S (symmetric but for col's bf16 rounding)
+                (sk.state_to_rows(x, col, s, transposed=False, upper=True),
+                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True),
+                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
+                                                upper=True), strict=True),
+                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True),
+                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
-             "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks")
+             "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
+             "den_upper", "y_slots_upper")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
         # den: float32-accurate products of the bf16 rows with Z's parts
-        tol = 1e-5 if name == "den" else 1e-2
+        tol = 1e-5 if name.startswith("den") else 1e-2
         ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= tol)
         rows.append((name, err, "exact 0" if scales == "full" else f"tol {tol:g}", ok))
     return rows

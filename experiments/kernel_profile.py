@@ -47,7 +47,8 @@ from timing import (  # noqa: E402
 
 _DECODE = flags.DEFINE_list("decode", ["conformal:2:1024:1", "softmax:0:1024:1"],
                             "decode cases variant:p:prompt[:batch]")
-_ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:T:H")
+_ATTENTION = flags.DEFINE_list("attention", [], "attention cases impl:algorithm:T:H, or "
+                               "impl:algorithm:T:H:C with chunk C")
 _TRAIN = flags.DEFINE_list("train", [], "training-step cases variant:p:T (GPT-2 small, "
                            "65,536 tokens a step)")
 _STEPS = flags.DEFINE_integer("steps", 16, "decode steps per traced call", lower_bound=1)
@@ -137,12 +138,13 @@ def attention_case(spec: str) -> dict:
 
     import sympow
 
-    impl, algorithm, t, h = spec.split(":")
+    impl, algorithm, t, h, *chunk = spec.split(":")
     q, k, v, log_g, ct = attention_inputs(int(t), int(h))
+    chunk_size = int(chunk[0]) if chunk else None  # None: the impl's default
 
     def attention(q, k, v, log_g):
         return sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl,
-                                       algorithm=algorithm or None)
+                                       algorithm=algorithm or None, chunk_size=chunk_size)
 
     @jax.jit
     def fwd_bwd(q, k, v, log_g, ct):  # ct an argument, as benchmark.run_case has it

@@ -19,11 +19,13 @@ jitted programs (their XLA glue included), for a per-kernel summary of each.
 Variants: --options=stages=2,stages=4,chunks_per_program=2 times each kernel at its
 defaults and under each entry whose keywords it takes (`stages`: its ring's depth;
 `chunks_per_program`: the chunks a program takes in turn; with the normalizer,
-state_to_rows and row_gradients refuse more than one, named), all in turns in one process
+state_to_rows and row_gradients refuse more than one, named; `upper=1`: state_to_rows over
+the upper blocks of the symmetric state), all in turns in one process
 (`timed_interleaved`: their ratios free of the machine's drift), to tell whether a kernel
 waits on its copies or on its fixed cost a program. Each variant's output is compared with
-the default's on the same inputs (the same sums: 0 expected); one that does not run (a
-ring deeper than shared memory holds) is named with its error and left out:
+the default's on the same inputs (the same sums: 0 expected; `upper` sums the other half
+of the symmetric states and columns drawn here: a rounding's difference); one that does not
+run (a ring deeper than shared memory holds) is named with its error and left out:
 
   PYTHONPATH=. python3 experiments/profile_states.py --reps=30 \
       --options="chunks_per_program=1,chunks_per_program=2,chunks_per_program=4"
@@ -99,8 +101,9 @@ def parse_options(options: list[str]) -> list[dict[str, int]]:
 
 
 def kernel_variants(options: list[str]):
-    """[(kernel, name, jitted fn, argument (shape, dtype)s)]: each bare kernel once per
-    --options entry whose keywords it takes (name: kernel@name=N;...), its default first."""
+    """[(kernel, name, jitted fn, argument (shape, dtype)s, tie)]: each bare kernel once
+    per --options entry whose keywords it takes (name: kernel@name=N;...), its default
+    first; tie: the indices of its rows and its col among the arguments (`arguments`)."""
     import inspect
 
     import jax
@@ -115,18 +118,19 @@ def kernel_variants(options: list[str]):
     x, a, xt = ((1, h, n, c, d), bf16), ((1, h, n, c, e), bf16), ((1, h, n, d, c), bf16)
     s, cols = ((1, h, n, d * d, e), bf16), ((1, h, n, d, c), col)
     parts, weights = ((1, h, n, 3 * d, d), bf16), ((1, h, n, c), jnp.float32)
-    kernels = {  # name: (kernel, fn(*args, **options), argument specs)
+    kernels = {  # name: (kernel, fn(*args, **options), argument specs, (rows, col) indices)
         "rows_to_state": (sk.rows_to_state, lambda *z, **kw: sk.rows_to_state(
-            *z, kv_heads=h, **kw), (xt, cols, a)),
+            *z, kv_heads=h, **kw), (xt, cols, a), (0, 1)),
         "state_to_rows": (sk.state_to_rows, lambda *z, **kw: sk.state_to_rows(
-            *z, transposed=False, **kw), (x, cols, s)),
-        "row_gradients": (sk.row_gradients, sk.row_gradients, (a, x, cols, s)),
+            *z, transposed=False, **kw), (x, cols, s), (0, 1)),
+        "row_gradients": (sk.row_gradients, sk.row_gradients, (a, x, cols, s), (1, 2)),
         # with the normalizer's quadratic form, as the tier runs them
         "state_to_rows_z": (sk.state_to_rows, lambda *z, **kw: sk.state_to_rows(
             *z[:3], transposed=False, normalizer=sk.Normalizer(*z[3:]), **kw),
-            (x, cols, s, parts, weights)),
+            (x, cols, s, parts, weights), (0, 1)),
         "row_gradients_z": (sk.row_gradients, lambda *z, **kw: sk.row_gradients(
-            *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw), (a, x, cols, s, parts, weights)),
+            *z[:4], normalizer=sk.Normalizer(*z[4:]), **kw), (a, x, cols, s, parts, weights),
+            (1, 2)),
     }
     parsed = parse_options(options)
     bound = {"kv_heads", "transposed", "normalizer"}  # set by the calls above
@@ -141,23 +145,38 @@ def kernel_variants(options: list[str]):
         raise ValueError(f"--options: no kernel takes {unused} (keywords of rows_to_state, "
                          f"state_to_rows or row_gradients other than {sorted(bound)})")
     variants = []
-    for name, (kernel, fn, shapes) in kernels.items():
+    for name, (kernel, fn, shapes, tie) in kernels.items():
         for kw in [{}] + [kw for kw in parsed if kw and set(kw) <= takes(kernel)]:
             suffix = ";".join(f"{key}={value}" for key, value in kw.items())
             variants.append((name, f"{name}@{suffix}" if kw else name,
-                             jax.jit(functools.partial(fn, **kw)), shapes))
+                             jax.jit(functools.partial(fn, **kw)), shapes, tie))
     return variants
 
 
-def arguments(shapes, key):
+def arguments(shapes, key, tie):
     """Random arrays of (shape, dtype) pairs: standard normals / 8 (the tier's keys' scale)
-    in each dtype."""
+    in each dtype, but with the tier's symmetries, which state_to_rows' `upper` rests on: a
+    state [..., D^2, E] symmetric in its (i, j), and col the rows x^T (at ls = 0) for tie =
+    (index of x or x^T, index of col)."""
     import jax
     import jax.numpy as jnp
 
+    from sympow.attention.mosaic_gpu.state_kernels import DIM
+
+    def draw(k, shape, dtype):
+        x = jax.random.normal(k, shape, jnp.float32) / 8
+        if len(shape) > 1 and shape[-2] == DIM ** 2:
+            square = x.reshape(*shape[:-2], DIM, DIM, shape[-1])
+            x = (0.5 * (square + jnp.swapaxes(square, -2, -3))).reshape(shape)
+        return x.astype(dtype)
+
     keys = jax.random.split(key, len(shapes))
-    return tuple(jax.random.normal(k, shape, jnp.float32).astype(dtype) / 8
-                 for k, (shape, dtype) in zip(keys, shapes, strict=True))
+    args = [draw(k, shape, dtype) for k, (shape, dtype) in zip(keys, shapes, strict=True)]
+    rows, col = tie
+    columns = args[rows] if args[rows].shape == args[col].shape else jnp.swapaxes(args[rows],
+                                                                                  -1, -2)
+    args[col] = columns.astype(args[col].dtype)
+    return tuple(args)
 
 
 def relative_difference(got, want) -> float:
@@ -181,7 +200,7 @@ def main(argv):
 
     variants = kernel_variants(_OPTIONS.value)
     if _LOWER.value:
-        for _, name, fn, shapes in variants:
+        for _, name, fn, shapes, _ in variants:
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
             try:
                 text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
@@ -193,8 +212,8 @@ def main(argv):
     key = jax.random.PRNGKey(0)
     kernels = list(dict.fromkeys(kernel for kernel, *_ in variants))
     runnable, defaults = [], {}
-    for kernel, name, fn, shapes in variants:
-        args = arguments(shapes, jax.random.fold_in(key, kernels.index(kernel)))
+    for kernel, name, fn, shapes, tie in variants:
+        args = arguments(shapes, jax.random.fold_in(key, kernels.index(kernel)), tie)
         try:  # a ring too deep for shared memory fails here, not the whole run
             out = jax.block_until_ready(fn(*args))
         except Exception as error:  # noqa: BLE001  (report it, time the others)

@@ -93,3 +93,27 @@ print(profile_states.parse_options(["", "stages=4;chunks_per_program=2"]))
     lines = done.stdout.splitlines()
     assert lines[0].split() == [str(1.0 / 8.0), "0.0"]
     assert lines[1] == "[{}, {'stages': 4, 'chunks_per_program': 2}]"
+
+
+def test_the_arguments_have_the_tiers_symmetries():
+    """A state drawn for the kernels is symmetric in its (i, j) and col is the rows x^T
+    (or xt itself), as in the tier, where state_to_rows' `upper` gives the square sum."""
+    done = run("-c", """
+import sys
+sys.path.insert(0, "experiments")
+import jax, jax.numpy as jnp, numpy as np
+import profile_states
+bf16 = jnp.bfloat16
+x, col, s = profile_states.arguments(
+    [((1, 2, 2, 8, 64), bf16), ((1, 2, 2, 64, 8), bf16), ((1, 2, 2, 4096, 16), bf16)],
+    jax.random.PRNGKey(0), (0, 1))
+square = np.asarray(s, np.float32).reshape(1, 2, 2, 64, 64, 16)
+print(np.array_equal(square, np.swapaxes(square, 3, 4)), bool(np.any(square)))
+print(np.array_equal(np.asarray(col), np.swapaxes(np.asarray(x), -1, -2)))
+xt, col2, _ = profile_states.arguments(
+    [((1, 2, 2, 64, 8), bf16), ((1, 2, 2, 64, 8), bf16), ((1, 2, 2, 8, 16), bf16)],
+    jax.random.PRNGKey(1), (0, 1))
+print(np.array_equal(np.asarray(col2), np.asarray(xt)))
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["True True", "True", "True"]

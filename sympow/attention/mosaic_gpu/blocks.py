@@ -40,16 +40,22 @@ def swizzled(shape, dtype, max_swizzle: int = 128) -> plgpu.SMEM:
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def tile(width: int, dtype=jnp.bfloat16):
-    """A [ROWS, width] block for the tensor cores (a `Ring` array spec)."""
-    return (ROWS, width), dtype, True
+def tile(width: int, dtype=jnp.bfloat16, max_swizzle: int = 128):
+    """A [ROWS, width] block for the tensor cores (a `Ring` array spec), swizzled at up to
+    max_swizzle bytes: a wgmma takes its K in multiples of the swizzle's width, so a
+    product over 16-row slices of a B block needs 32 bytes (16 bf16 columns)."""
+    return (ROWS, width), dtype, max_swizzle
 
 
 VECTOR = ((ROWS,), jnp.float32, False)  # a [ROWS] float32 block (a `Ring` array spec)
 
 
-def smem(shape, dtype, tiled: bool) -> plgpu.SMEM:
-    return swizzled(shape, dtype) if tiled else plgpu.SMEM(shape, dtype)
+def smem(shape, dtype, tiled: bool | int) -> plgpu.SMEM:
+    """Shared memory of a (shape, dtype, tiled) spec: tiled False for a plain array, True
+    for a 128-byte `swizzled` tile, or a swizzle cap in bytes (`tile`)."""
+    if tiled is False:
+        return plgpu.SMEM(shape, dtype)
+    return swizzled(shape, dtype, 128 if tiled is True else tiled)
 
 
 def by_rows(x, shape=SQUARE):
@@ -235,18 +241,24 @@ class Ring:
     def _group_of(self, index: int) -> int:
         return next(g for g, group in enumerate(self.groups) if index in group)
 
-    def fill(self, steps, sources: Callable) -> None:
-        """Memory warpgroup: the blocks `sources(step)` (GMEM refs, one per array) of steps
-        0 .. steps - 1, each into slot step % stages once both consumers freed it."""
+    def fill(self, steps, sources: Callable, start: int = 0) -> None:
+        """Memory warpgroup: the blocks `sources(step)` of steps start .. steps - 1, each
+        into slot step % stages once both consumers freed it (the steps before `stages`
+        need no wait). sources gives one entry per array: a GMEM ref filling the slot, or
+        (GMEM ref, rows) filling the slot's rows (a pl.ds). A walk whose blocks change
+        shape along the way fills one static segment of steps at a time (start = where
+        the segment begins, steps = where it ends)."""
         def fetch(step, slot):
-            for index, (src, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
+            for index, (entry, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
                 barrier = self.loaded[self._group_of(index)]
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+                src, rows = entry if isinstance(entry, tuple) else (entry, None)
+                target = dst.at[slot] if rows is None else dst.at[slot, rows]
+                plgpu.copy_gmem_to_smem(src, target, barrier.at[slot])
 
-        for step in range(self.stages):
+        for step in range(start, self.stages):
             pl.when(step < steps)(lambda step=step: fetch(step, step))
 
-        @pl.loop(self.stages, steps)
+        @pl.loop(max(start, self.stages), steps)
         def _refill(step):
             slot = lax.rem(step, self.stages)
             plgpu.barrier_wait(self.freed.at[slot])

@@ -71,6 +71,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
+BLOCK = 16  # the symmetric state's blocks of (i, j) that state_to_rows' `upper` reads
 # Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
 # barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
 SHARED_MEMORY = (227 - 4) * 1024
@@ -89,6 +90,16 @@ def _bytes(shape, dtype) -> int:
 def features_per_warpgroup(e: int) -> int:
     """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
     return ACC_COLUMNS // e
+
+
+def upper_pieces(lo: int, d: int) -> list[tuple[int, int, int]]:
+    """(start, stop, weight) per piece of the rows j that y = phi(u) S reads of the blocks
+    S_i, i in [lo, lo + BLOCK), when S is symmetric in (i, j): the diagonal block (j in
+    [lo, lo + BLOCK)) once, the blocks right of it twice (each stands for its mirror (j, i)
+    too), the blocks left of it not at all (their mirrors stand for them). Products of
+    K = 16 and d - lo - 16: 62.5 % of the square layout's at d = 64, and of its bytes."""
+    pieces = [(lo, lo + BLOCK, 1)]
+    return pieces + [(lo + BLOCK, d, 2)] if lo + BLOCK < d else pieces
 
 
 def products(acc_refs, operands, rhs) -> None:
@@ -236,7 +247,8 @@ class Normalizer(NamedTuple):
 
 
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
-                  stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1):
+                  stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1,
+                  upper: bool = False):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
     den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
@@ -250,11 +262,21 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     takes in turn, its ring running on into the next chunk's blocks S_i while the last
     chunk's rows are stored, its own rows loaded again for each (1, the default: 2 or 4
     were at most 1 % faster on an H200, 2026-11-27, where rows_to_state's 4 gained 10 %).
+
+    upper (not transposed, one chunk a program): the kernel reads only the blocks of
+    `upper_pieces` (rows j >= 16 (i // 16) of each S_i, those right of the diagonal block
+    counted twice: `upper_weights`), 62.5 % of the products and bytes. That is the square
+    sum where S is symmetric in (i, j) and col_ir rows_rj is too, as for every state,
+    state cotangent and col = x^T e^(2 ls) of the tier; for other inputs it is not.
     """
     if normalizer is not None and transposed:
         raise ValueError("normalizer: the quadratic form takes the rows x (transposed=False)")
+    if upper and (transposed or chunks_per_program > 1):
+        raise ValueError(f"upper: the untransposed product one chunk a program (transposed="
+                         f"{transposed}, chunks_per_program={chunks_per_program})")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
-                          slot_offset=slot_offset, chunks_per_program=chunks_per_program)
+                          slot_offset=slot_offset, chunks_per_program=chunks_per_program,
+                          upper=upper)
 
 
 def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
@@ -270,11 +292,12 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     chunks_per_program as `state_to_rows`.
     """
     return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
-                          slot_offset=slot_offset, chunks_per_program=chunks_per_program)
+                          slot_offset=slot_offset, chunks_per_program=chunks_per_program,
+                          upper=False)
 
 
 def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None,
-                   slot_offset: int, chunks_per_program: int):
+                   slot_offset: int, chunks_per_program: int, upper: bool):
     """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
     quadratic form of its Z against the rows x (three products with Z's parts per block of
     rows, after the state's) in the epilogue."""
@@ -314,6 +337,11 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(MAX_STAGES, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
+    # A slot holds per_step blocks S_i: one [per_step D, E] slab, or with `upper` one tile
+    # each (a block's rows j >= lo land at its row 0), swizzled at 32 bytes for the K = 16
+    # slices, all on one barrier.
+    ring_specs, ring_groups = (([tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
+                               if upper else ([((per_step * d, e), BF16, True)], None))
 
     def kernel(*refs):
         refs = list(refs)
@@ -325,7 +353,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             len(inputs) + len(out_type):]
         parts_smem, parts_bar = rest[:2] if quadratic else (None, None)
         outs = rest[len(parts_scratch):]
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed)
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h = lax.div(bh, hx), lax.rem(bh, hx)
         chunk = lax.axis_index("chunk")  # with several chunks a program, its first
@@ -347,23 +375,38 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
-                def visit(step, _):  # blocks S_i, i = per_step (step - k steps) + u
+                def visit(step, _, lo=None):  # blocks S_i, i = per_step (step - k steps) + u
                     slot = ring.slot(step)  # the ring's step counts over the chunks
                     step_in_chunk = step - k * steps if several else step
-                    (slab,) = ring.wait(slot, 0)  # [per_step D, E]
-                    operands, rhs = [], []
-                    for u in range(per_step):
-                        block = slab.at[pl.ds(u * d, d)]  # S_i [D, E]
+                    slabs = ring.wait(slot, 0)  # upper: S_i[lo:] at row 0 of each [D, E]
+                    if lo is None:  # one [per_step D, E] slab of whole blocks S_i
+                        slabs = [slabs[0].at[pl.ds(u * d, d)] for u in range(per_step)]
+                    accs, operands, rhs = [], [], []
+                    for u, block in enumerate(slabs):
                         i = step_in_chunk * per_step + u
-                        scales = [plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
-                                  for r in blocks]
-                        operands += [base * by_rows(x.astype(BF16), base.shape)
-                                     for base, x in zip(bases, scales, strict=True)]
-                        rhs += [block.transpose((1, 0)) if transposed else block] * sub
-                    products(acc_refs * per_step, operands, rhs)
+                        for acc_ref, base, r in zip(acc_refs, bases, blocks, strict=True):
+                            x = plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
+                            x = x.astype(BF16)
+                            if lo is None:  # the whole block
+                                pieces = [(base, x, block.transpose((1, 0)) if transposed
+                                           else block)]
+                            else:  # base's columns j of each piece against S_i's rows j
+                                pieces = [(base[:, start:stop], weight * x,
+                                           block.at[pl.ds(start - lo, stop - start)])
+                                          for start, stop, weight in upper_pieces(lo, d)]
+                            for part, scale, b_block in pieces:
+                                operands.append(part * by_rows(scale, part.shape))
+                                rhs.append(b_block)
+                                accs.append(acc_ref)
+                    products(accs, operands, rhs)
                     ring.release(slot)
 
-                lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
+                if upper:  # one static segment of steps per 16 rows i (their pieces' shapes)
+                    for lo in range(0, d, BLOCK):
+                        lax.fori_loop(lo // per_step, (lo + BLOCK) // per_step,
+                                      functools.partial(visit, lo=lo), None)
+                else:
+                    lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
             accs = pl.run_scoped(accumulate_all,
@@ -407,12 +450,18 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                 ring.fill(chunks_per_program * steps, lambda step: (s_ref.at[
                     bi, kv, chunk + lax.div(step, steps) + slot_offset,
                     pl.ds(lax.rem(step, steps) * per_step * d, per_step * d)],))
+            elif upper:  # rows j >= lo of each S_i, one segment of steps per lo
+                for lo in range(0, d, BLOCK):
+                    ring.fill((lo + BLOCK) // per_step, lambda step, lo=lo: tuple(
+                        (s_ref.at[bi, kv, chunk + slot_offset,
+                                  pl.ds((step * per_step + u) * d + lo, d - lo)],
+                         pl.ds(0, d - lo)) for u in range(per_step)), start=lo // per_step)
             else:
                 ring.fill(steps, lambda step: (s_ref.at[
                     bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
 
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
-    ring = Ring.scratch([((per_step * d, e), BF16, True)], stages)
+    ring = Ring.scratch(ring_specs, stages, ring_groups)
     name = "row_gradients" if gradient else "state_to_rows"
     result = launch(
         kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",
@@ -465,11 +514,13 @@ def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = Non
 
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool,
-                            normalizer: Normalizer | None = None, slot_offset: int = 0):
+                            normalizer: Normalizer | None = None, slot_offset: int = 0,
+                            upper: bool = False):
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     _check_slots(s.shape[2], n, slot_offset)
     s = s[:, :, slot_offset:slot_offset + n]
+    s = s * upper_weights(s.dtype)[:, None] if upper else s
     blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
     spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
     out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
@@ -478,6 +529,17 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
         return out
     xz = quadratic_product_reference(rows, normalizer)
     return out, normalizer.weights * jnp.sum(xz * rows.astype(F32), axis=-1)
+
+
+def upper_weights(dtype=F32):
+    """[D^2]: the weight of feature (i, j) in `state_to_rows(upper=True)`'s sum, 1 in the
+    diagonal blocks (i // BLOCK == j // BLOCK), 2 right of them, 0 left of them. For the
+    tier's states and columns (S symmetric, col = x^T e^(2 ls), so col_ir x_rj is too)
+    the weighted sum is the square one."""
+    block = jnp.arange(DIM) // BLOCK
+    weights = jnp.where(block[:, None] == block[None, :], 1.0,
+                        jnp.where(block[:, None] < block[None, :], 2.0, 0.0))
+    return weights.reshape(-1).astype(dtype)
 
 
 def quadratic_product_reference(x, normalizer: Normalizer):

@@ -232,6 +232,91 @@ def test_the_quadratic_form_takes_the_rows_not_a_transposed_product():
                                     normalizer=normalizer)
 
 
+def _upper_sum(c, x, s):
+    """sum_ij c_i x_j S[(i, j)] [E] for one row's c, x [D] and a state s [D, D, E], summed
+    as state_to_rows' `upper` kernel does: the pieces of `upper_pieces` of each block of
+    16 rows i."""
+    total = 0.0
+    for lo in range(0, D, state_kernels.BLOCK):
+        for start, stop, weight in state_kernels.upper_pieces(lo, D):
+            block = s[lo:lo + state_kernels.BLOCK, start:stop]  # [16 i, stop - start j, E]
+            total = total + weight * np.einsum("i,j,ije->e", c[lo:lo + state_kernels.BLOCK],
+                                               x[start:stop], block)
+    return total
+
+
+def test_the_upper_pieces_are_the_weighted_sum_and_for_the_tier_the_square_one(rng):
+    """The pieces' sum is the square sum with feature (i, j) weighted by `upper_weights`
+    (the reference's upper=True) for any c, x and S, so the blocks left of the diagonal
+    are never read; it is the square sum phi(u) S where S and c x^T are symmetric (c = x
+    scaled: the tier's col), and not otherwise; the pieces cover 10 of the 16 blocks at
+    D = 64 (62.5 % of the products)."""
+    c, x, s = rng.normal(size=D), rng.normal(size=D), rng.normal(size=(D, D, 3))
+    weights = np.asarray(state_kernels.upper_weights(), np.float64).reshape(D, D, 1)
+    square = lambda c_, x_, s_: np.einsum("i,j,ije->e", c_, x_, s_)  # noqa: E731
+    np.testing.assert_allclose(_upper_sum(c, x, s), square(c, x, weights * s), rtol=1e-10)
+    symmetric = s + np.swapaxes(s, 0, 1)
+    np.testing.assert_allclose(_upper_sum(0.3 * x, x, symmetric), square(0.3 * x, x, symmetric),
+                               rtol=1e-10)
+    assert not np.allclose(_upper_sum(c, x, symmetric), square(c, x, symmetric), rtol=1e-3)
+    block = np.arange(D) // state_kernels.BLOCK
+    below = (block[:, None] > block[None, :])[..., None]
+    assert np.all(_upper_sum(c, x, s * below) == 0.0) and np.any(square(c, x, s * below))
+    covered = sum((stop - start) * state_kernels.BLOCK for lo in range(0, D, state_kernels.BLOCK)
+                  for start, stop, _ in state_kernels.upper_pieces(lo, D))
+    assert covered == 10 * state_kernels.BLOCK ** 2
+
+
+@pytest.mark.parametrize(("e", "quadratic"), [(64, False), (64, True), (128, False)])
+def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypatch, e,
+                                                                         quadratic):
+    """upper=True: one Mosaic GPU kernel of the same outputs, its ring a [64, E] tile per
+    block S_i swizzled at 32 bytes (K = 16 slices), both on one barrier; the transposed
+    product and several chunks a program are refused by name."""
+    specs = []
+    real_scratch = state_kernels.Ring.scratch
+    monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
+        lambda ring_specs, depth, groups=None: specs.append((ring_specs, groups))
+        or real_scratch(ring_specs, depth, groups)))
+    b, hq, hk, n, c = 1, 4, 2, 2, 256
+    shapes = [((b, hq, n, c, D), BF16), ((b, hq, n, D, c), BF16), ((b, hk, n + 1, D * D, e), BF16)]
+    shapes += [((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32)] if quadratic else []
+    text = lowered(lambda *x: state_kernels.state_to_rows(
+        *x[:3], transposed=False, slot_offset=1, upper=True,
+        normalizer=state_kernels.Normalizer(*x[3:]) if quadratic else None), *shapes)
+    assert text.count("@mosaic_gpu") == 1
+    assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>" in text
+    per_step = state_kernels.BLOCKS_PER_STEP
+    assert specs[-1] == ([blocks.tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes[:3]]
+    with pytest.raises(ValueError, match="upper: the untransposed product one chunk a program "
+                                         r"\(transposed=True"):
+        state_kernels.state_to_rows(jnp.zeros((b, hq, n, c, e), BF16), *zeros[1:],
+                                    transposed=True, slot_offset=1, upper=True)
+    with pytest.raises(ValueError, match="chunks_per_program=2"):
+        state_kernels.state_to_rows(*zeros, transposed=False, slot_offset=1, upper=True,
+                                    chunks_per_program=2)
+
+
+def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypatch, rng):
+    """Both untransposed products of the tier (query_state's y, the update side's da) pass
+    states.UPPER_BLOCKS; row_gradients (which needs both triangles) does not take it."""
+    calls = []
+    monkeypatch.setattr(state_kernels, "state_to_rows", lambda *a, **kw: calls.append(kw)
+                        or state_kernels.state_to_rows_reference(*a, **kw))
+    monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
+    monkeypatch.setattr(state_kernels, "row_gradients", state_kernels.row_gradients_reference)
+    b, h, n, c, e = 1, 2, 2, 8, 16
+    x = jnp.asarray(rng.normal(size=(b, h, n, c, D)), BF16)
+    ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, h, n, c)), F32)
+    a = jnp.asarray(rng.normal(size=(b, h, n, c, e)), BF16)
+    ct = jax.tree.map(jnp.ones_like, states.state_of_rows(x, ls, a, h))
+    jax.vjp(lambda *w: states.state_of_rows(*w, h), x, ls, a)[1](ct)
+    s, z = _symmetric_state(rng, b, h, n, e), _symmetric_normalizer(rng, b, h, n)
+    states.rows_of_state(x, ls, s, z)
+    assert [kw["upper"] for kw in calls] == [states.UPPER_BLOCKS] * 2 and states.UPPER_BLOCKS
+
+
 def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
     x = jnp.asarray(rng.normal(size=(1, 2, 3, 8, D)), BF16)
     ls = jnp.asarray(rng.uniform(-2.0, 0.0, size=(1, 2, 3, 8)), F32)
