@@ -327,7 +327,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     fails the row), each also by one program walking all N chunks; then state_to_rows over
     the upper blocks of S (`upper`, against its definition: the square sum with feature
     (i, j) weighted by `state_kernels.upper_weights`) for y, y and den with the normalizer,
-    y from the slots."""
+    y from the slots, each again with the short blocks packed (`packed`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -381,12 +381,23 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                      sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
                                                 upper=True), strict=True),
                 (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True),
+                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                # ... with the short blocks packed into fewer ring steps
+                (sk.state_to_rows(x, col, s, transposed=False, upper=True, packed=True),
+                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True,
+                                      packed=True),
+                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
+                                                upper=True), strict=True),
+                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True,
+                                  packed=True),
                  sk.state_to_rows_reference(x, col, s, transposed=False, upper=True))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
              "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
-             "den_upper", "y_slots_upper")
+             "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
+             "y_slots_packed")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

@@ -213,30 +213,36 @@ class Ring:
     loaded: Sequence
     freed: object
     groups: tuple[tuple[int, ...], ...]
+    arrivals: tuple[int, ...] = ()  # per group: the arrivals a step's barrier takes
 
     @property
     def stages(self) -> int:
         return self.arrays[0].shape[0]
 
     @staticmethod
-    def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None):
+    def scratch(specs: Sequence, stages: int, groups: Sequence[Sequence[int]] | None = None,
+                arrivals: Sequence[int] | None = None):
         """(arrays, loaded, freed) scratch to allocate for blocks of `specs` ((shape,
         dtype, tiled): `tile`, `VECTOR`), one barrier ring per group of array indices
-        (default: one group per array)."""
+        (default: one group per array). arrivals: per group, the arrivals its barrier
+        takes a step (default: one copy per array; `fill` makes up a step with fewer
+        copies by plain arrivals)."""
         groups = _partition(len(specs), groups)
         arrays = tuple(smem((stages, *shape), dtype, tiled) for shape, dtype, tiled in specs)
-        loaded = tuple(plgpu.Barrier(num_arrivals=len(group), num_barriers=stages)
-                       for group in groups)
+        loaded = tuple(plgpu.Barrier(num_arrivals=count, num_barriers=stages)
+                       for count in _arrivals(groups, arrivals))
         return arrays, loaded, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)
 
     @staticmethod
-    def of(arrays, loaded, freed, groups: Sequence[Sequence[int]] | None = None) -> Ring:
-        """The ring over scratch refs allocated by `scratch` with the same groups."""
+    def of(arrays, loaded, freed, groups: Sequence[Sequence[int]] | None = None,
+           arrivals: Sequence[int] | None = None) -> Ring:
+        """The ring over scratch refs allocated by `scratch` with the same groups and
+        arrivals."""
         groups = _partition(len(arrays), groups)
         if len(loaded) != len(groups):
             raise ValueError(f"{len(groups)} barrier groups need as many barrier rings; "
                              f"got {len(loaded)}")
-        return Ring(tuple(arrays), tuple(loaded), freed, groups)
+        return Ring(tuple(arrays), tuple(loaded), freed, groups, _arrivals(groups, arrivals))
 
     def _group_of(self, index: int) -> int:
         return next(g for g, group in enumerate(self.groups) if index in group)
@@ -244,16 +250,28 @@ class Ring:
     def fill(self, steps, sources: Callable, start: int = 0) -> None:
         """Memory warpgroup: the blocks `sources(step)` of steps start .. steps - 1, each
         into slot step % stages once both consumers freed it (the steps before `stages`
-        need no wait). sources gives one entry per array: a GMEM ref filling the slot, or
-        (GMEM ref, rows) filling the slot's rows (a pl.ds). A walk whose blocks change
-        shape along the way fills one static segment of steps at a time (start = where
-        the segment begins, steps = where it ends)."""
+        need no wait). sources gives one entry per array: a GMEM ref filling the slot,
+        (GMEM ref, rows) filling the slot's rows (a pl.ds), or a list of such pairs
+        (several blocks in one slot). A walk whose blocks change shape along the way fills
+        one static segment of steps at a time (start = where the segment begins, steps =
+        where it ends). A group whose step takes fewer copies than its barrier's arrivals
+        makes up the rest by plain arrivals (the phase still waits for every copy's
+        bytes)."""
         def fetch(step, slot):
+            copies = [0] * len(self.groups)
             for index, (entry, dst) in enumerate(zip(sources(step), self.arrays, strict=True)):
-                barrier = self.loaded[self._group_of(index)]
-                src, rows = entry if isinstance(entry, tuple) else (entry, None)
-                target = dst.at[slot] if rows is None else dst.at[slot, rows]
-                plgpu.copy_gmem_to_smem(src, target, barrier.at[slot])
+                group = self._group_of(index)
+                for piece in entry if isinstance(entry, list) else [entry]:
+                    src, rows = piece if isinstance(piece, tuple) else (piece, None)
+                    target = dst.at[slot] if rows is None else dst.at[slot, rows]
+                    plgpu.copy_gmem_to_smem(src, target, self.loaded[group].at[slot])
+                    copies[group] += 1
+            for group, (count, expected) in enumerate(zip(copies, self.arrivals, strict=True)):
+                if count > expected:
+                    raise ValueError(f"ring group {group}: {count} copies a step, more than "
+                                     f"its barrier's {expected} arrivals")
+                for _ in range(expected - count):
+                    plgpu.barrier_arrive(self.loaded[group].at[slot])
 
         for step in range(start, self.stages):
             pl.when(step < steps)(lambda step=step: fetch(step, step))
@@ -292,6 +310,18 @@ class Ring:
         slot = self.slot(step)
         self.wait_all(slot)
         self.release(slot)
+
+
+def _arrivals(groups, arrivals) -> tuple[int, ...]:
+    """Per group, the arrivals its barrier takes a step: `arrivals`, or one per array."""
+    if arrivals is None:
+        return tuple(len(group) for group in groups)
+    arrivals = tuple(arrivals)
+    if len(arrivals) != len(groups) or any(a < len(g) for a, g in zip(arrivals, groups,
+                                                                       strict=True)):
+        raise ValueError(f"arrivals: one count per barrier group ({len(groups)}), each at "
+                         f"least the group's arrays ({[len(g) for g in groups]}); got {arrivals}")
+    return arrivals
 
 
 def _partition(count: int, groups) -> tuple[tuple[int, ...], ...]:

@@ -105,6 +105,41 @@ def upper_pieces(lo: int, d: int) -> list[tuple[int, int, int]]:
     return pieces + [(lo + BLOCK, d, 2)] if lo + BLOCK < d else pieces
 
 
+class UpperSegment(NamedTuple):
+    """The ring steps of `state_to_rows(upper=True)` over the blocks S_i of 16 rows i, i in
+    [lo, lo + BLOCK): each S_i contributes its rows j >= lo, per_tile of them to a ring
+    tile [D, E] (stacked), BLOCKS_PER_STEP tiles a step, from ring step `first` on."""
+
+    lo: int
+    per_tile: int
+    first: int
+    steps: int
+
+    @property
+    def blocks(self) -> int:  # blocks S_i a step
+        return BLOCKS_PER_STEP * self.per_tile
+
+    def place(self, step, u: int, d: int = DIM):
+        """(i, tile, first row) of a step's u-th block S_i[lo:] (its D - lo rows j): the
+        kernel's fill and its products both find a block here."""
+        rows_j = d - self.lo
+        return (self.lo + (step - self.first) * self.blocks + u, u // self.per_tile,
+                (u % self.per_tile) * rows_j)
+
+
+def upper_segments(d: int, packed: bool) -> list[UpperSegment]:
+    """The static segments of `upper`'s ring walk: one per 16 rows i, with one block S_i a
+    tile, or `packed` as many as fit (D // (D - lo): 1, 1, 2, 4 at D = 64), so every step
+    carries at least half a square step's products: 22 steps a chunk in place of 32."""
+    segments, first = [], 0
+    for lo in range(0, d, BLOCK):
+        per_tile = d // (d - lo) if packed else 1
+        steps = BLOCK // (BLOCKS_PER_STEP * per_tile)
+        segments.append(UpperSegment(lo, per_tile, first, steps))
+        first += steps
+    return segments
+
+
 def products(acc_refs, operands, rhs) -> None:
     """acc_refs[k] += operands[k] @ rhs[k] for register operands built beforehand, then
     wait.
@@ -251,7 +286,7 @@ class Normalizer(NamedTuple):
 
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
                   stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1,
-                  upper: bool = False):
+                  upper: bool = False, packed: bool = False):
     """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
     out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
     den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
@@ -271,15 +306,19 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     counted twice: `upper_weights`), 62.5 % of the products and bytes. That is the square
     sum where S is symmetric in (i, j) and col_ir rows_rj is too, as for every state,
     state cotangent and col = x^T e^(2 ls) of the tier; for other inputs it is not.
+    packed (with upper): the short blocks of the last rows i (32 and 16 rows j) two and
+    four to a ring tile (`upper_segments`), the same products in fewer ring steps.
     """
     if normalizer is not None and transposed:
         raise ValueError("normalizer: the quadratic form takes the rows x (transposed=False)")
     if upper and (transposed or chunks_per_program > 1):
         raise ValueError(f"upper: the untransposed product one chunk a program (transposed="
                          f"{transposed}, chunks_per_program={chunks_per_program})")
+    if packed and not upper:
+        raise ValueError("packed: the upper blocks' ring (upper=True) packs its short blocks")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
-                          upper=upper)
+                          segments=upper_segments(col.shape[-2], packed) if upper else None)
 
 
 def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
@@ -296,11 +335,12 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     """
     return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
-                          upper=False)
+                          segments=None)
 
 
 def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None,
-                   slot_offset: int, chunks_per_program: int, upper: bool):
+                   slot_offset: int, chunks_per_program: int,
+                   segments: list[UpperSegment] | None):
     """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
     quadratic form of its Z against the rows x (three products with Z's parts per block of
     rows, after the state's) in the epilogue."""
@@ -340,11 +380,14 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(MAX_STAGES, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
-    # A slot holds per_step blocks S_i: one [per_step D, E] slab, or with `upper` one tile
-    # each (a block's rows j >= lo land at its row 0), swizzled at 32 bytes for the K = 16
-    # slices, all on one barrier.
+    # A slot holds per_step blocks S_i: one [per_step D, E] slab, or over the upper blocks
+    # (segments) per_step tiles [D, E], each block's rows j >= lo stacked from a tile's row
+    # 0, swizzled at 32 bytes for the K = 16 slices, all on one barrier (which takes the
+    # most copies a step; `Ring.fill` makes up the rest).
+    upper = segments is not None
     ring_specs, ring_groups = (([tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
                                if upper else ([((per_step * d, e), BF16, True)], None))
+    ring_arrivals = [max(seg.blocks for seg in segments)] if upper else None
 
     def kernel(*refs):
         refs = list(refs)
@@ -356,7 +399,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             len(inputs) + len(out_type):]
         parts_smem, parts_bar = rest[:2] if quadratic else (None, None)
         outs = rest[len(parts_scratch):]
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups, ring_arrivals)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, h = lax.div(bh, hx), lax.rem(bh, hx)
         chunk = lax.axis_index("chunk")  # with several chunks a program, its first
@@ -378,25 +421,30 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
 
             def accumulate_all(*acc_refs):
-                def visit(step, _, lo=None):  # blocks S_i, i = per_step (step - k steps) + u
+                def visit(step, _, seg=None):  # a step's blocks S_i
                     slot = ring.slot(step)  # the ring's step counts over the chunks
                     step_in_chunk = step - k * steps if several else step
-                    slabs = ring.wait(slot, 0)  # upper: S_i[lo:] at row 0 of each [D, E]
-                    if lo is None:  # one [per_step D, E] slab of whole blocks S_i
-                        slabs = [slabs[0].at[pl.ds(u * d, d)] for u in range(per_step)]
+                    tiles = ring.wait(slot, 0)
+                    if seg is None:  # (i, S_i [D, E]): one slab of whole blocks
+                        entries = [(step_in_chunk * per_step + u, tiles[0].at[pl.ds(u * d, d)])
+                                   for u in range(per_step)]
+                    else:  # (i, (its tile, its first row)): S_i[lo:] stacked per_tile
+                        entries = [(i, (tiles[t], row))
+                                   for i, t, row in (seg.place(step, u, d)
+                                                     for u in range(seg.blocks))]
                     accs, operands, rhs = [], [], []
-                    for u, block in enumerate(slabs):
-                        i = step_in_chunk * per_step + u
+                    for i, block in entries:
                         for acc_ref, base, r in zip(acc_refs, bases, blocks, strict=True):
                             x = plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
                             x = x.astype(BF16)
-                            if lo is None:  # the whole block
+                            if seg is None:  # the whole block
                                 pieces = [(base, x, block.transpose((1, 0)) if transposed
                                            else block)]
                             else:  # base's columns j of each piece against S_i's rows j
-                                pieces = [(base[:, start:stop], weight * x,
-                                           block.at[pl.ds(start - lo, stop - start)])
-                                          for start, stop, weight in upper_pieces(lo, d)]
+                                tile_ref, row = block
+                                pieces = [(base[:, start:stop], weight * x, tile_ref.at[
+                                    pl.ds(row + start - seg.lo, stop - start)])
+                                          for start, stop, weight in upper_pieces(seg.lo, d)]
                             for part, scale, b_block in pieces:
                                 operands.append(part * by_rows(scale, part.shape))
                                 rhs.append(b_block)
@@ -405,9 +453,9 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     ring.release(slot)
 
                 if upper:  # one static segment of steps per 16 rows i (their pieces' shapes)
-                    for lo in range(0, d, BLOCK):
-                        lax.fori_loop(lo // per_step, (lo + BLOCK) // per_step,
-                                      functools.partial(visit, lo=lo), None)
+                    for seg in segments:
+                        lax.fori_loop(seg.first, seg.first + seg.steps,
+                                      functools.partial(visit, seg=seg), None)
                 else:
                     lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
@@ -454,17 +502,23 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     bi, kv, chunk + lax.div(step, steps) + slot_offset,
                     pl.ds(lax.rem(step, steps) * per_step * d, per_step * d)],))
             elif upper:  # rows j >= lo of each S_i, one segment of steps per lo
-                for lo in range(0, d, BLOCK):
-                    ring.fill((lo + BLOCK) // per_step, lambda step, lo=lo: tuple(
-                        (s_ref.at[bi, kv, chunk + slot_offset,
-                                  pl.ds((step * per_step + u) * d + lo, d - lo)],
-                         pl.ds(0, d - lo)) for u in range(per_step)), start=lo // per_step)
+                def upper_sources(step, seg):  # per tile, its blocks' (rows, place) pairs
+                    pieces = [[] for _ in range(per_step)]
+                    for u in range(seg.blocks):
+                        i, t, row = seg.place(step, u, d)
+                        pieces[t].append((s_ref.at[bi, kv, chunk + slot_offset, pl.ds(
+                            i * d + seg.lo, d - seg.lo)], pl.ds(row, d - seg.lo)))
+                    return tuple(pieces)
+
+                for seg in segments:
+                    ring.fill(seg.first + seg.steps,
+                              functools.partial(upper_sources, seg=seg), start=seg.first)
             else:
                 ring.fill(steps, lambda step: (s_ref.at[
                     bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))
 
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in own)
-    ring = Ring.scratch(ring_specs, stages, ring_groups)
+    ring = Ring.scratch(ring_specs, stages, ring_groups, ring_arrivals)
     name = "row_gradients" if gradient else "state_to_rows"
     result = launch(
         kernel, name=f"sympow_states_{name}{'_normalized' if quadratic else ''}",
@@ -518,7 +572,9 @@ def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = Non
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool,
                             normalizer: Normalizer | None = None, slot_offset: int = 0,
-                            upper: bool = False):
+                            upper: bool = False, packed: bool = False):
+    """packed changes the kernel's ring walk, not its sum: taken and unused here."""
+    del packed
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     _check_slots(s.shape[2], n, slot_offset)

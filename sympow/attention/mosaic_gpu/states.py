@@ -57,8 +57,10 @@ NORMALIZER_ALGORITHM = "BF16_BF16_F32_X6"
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
 # Whether y = phi(u) S and the update side's da read only the upper blocks of the symmetric
-# states (`state_kernels.state_to_rows(upper=True)`: 62.5 % of the products).
+# states (`state_kernels.state_to_rows(upper=True)`: 62.5 % of the products), and with
+# their short blocks packed into fewer ring steps (`packed`).
 UPPER_BLOCKS = True
+PACKED = True
 
 
 def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str | None:
@@ -127,7 +129,7 @@ def _state_of_rows_bwd(kv_heads, res, cotangents):
     ds = ds.astype(BF16)
     col = columns(x, ls)
     da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1,
-                                     upper=UPPER_BLOCKS)
+                                     upper=UPPER_BLOCKS, packed=UPPER_BLOCKS and PACKED)
     # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
     dx, dls = state_kernels.row_gradients(
         a, x, col, ds, slot_offset=1,
@@ -151,6 +153,7 @@ def _rows_of_state_fwd(x, ls, s, z):
     parts = z_parts(z)
     out = state_kernels.state_to_rows(
         x, columns(x, ls), s, transposed=False, upper=UPPER_BLOCKS,
+        packed=UPPER_BLOCKS and PACKED,
         normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
     return out, (x, ls, s, parts)
 

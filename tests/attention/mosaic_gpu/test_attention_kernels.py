@@ -7,6 +7,8 @@ from the dQ partial) and the assembly of its outputs are checked in plain JAX.""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -333,6 +335,64 @@ def test_a_ring_has_one_barrier_per_group_and_slot_that_each_copy_of_the_group_a
     assert [(b.num_arrivals, b.num_barriers) for b in per_array] == [(1, (2,))] * 3
     assert blocks.Ring.of(arrays, loaded, freed, [(0, 2), (1,)]).groups == ((0, 2), (1,))
     assert blocks.Ring.of(arrays, (None,) * 3, freed).groups == ((0,), (1,), (2,))
+
+
+def test_a_ring_barrier_can_take_more_arrivals_than_its_arrays():
+    specs = [blocks.tile(64), blocks.tile(64), blocks.VECTOR]
+    _, loaded, _ = blocks.Ring.scratch(specs, 2, groups=[(0, 1), (2,)], arrivals=[8, 1])
+    assert [b.num_arrivals for b in loaded] == [8, 1]
+    for arrivals in ([8], [1, 1], [8, 0]):
+        with pytest.raises(ValueError, match="arrivals: one count per barrier group"):
+            blocks.Ring.scratch(specs, 2, groups=[(0, 1), (2,)], arrivals=arrivals)
+
+
+def test_a_ring_fill_makes_up_a_step_with_fewer_copies_by_plain_arrivals(monkeypatch):
+    """A step's copies (one per array, or a list of (source, rows) pieces into a slot's
+    rows) each arrive on their group's barrier; a group with fewer copies than its
+    arrivals gets plain arrivals for the rest, so every step completes the phase; more
+    copies than arrivals is refused. (The primitives are recorded in place of the
+    kernel's: the bookkeeping is plain Python.)"""
+    events = []
+
+    class Slots:  # a [stages, ...] scratch ref: .at[slot] and .at[slot, rows]
+        shape = (3,)
+
+        def __init__(self, name):
+            self.name = name
+
+        @property
+        def at(self):
+            return self
+
+        def __getitem__(self, index):
+            return (self.name, index)
+
+    def loop(lower, upper):
+        return lambda body: [body(step) for step in range(lower, upper)]
+
+    fake = types.SimpleNamespace(
+        copy_gmem_to_smem=lambda src, dst, bar: events.append(("copy", src, dst, bar)),
+        barrier_arrive=lambda bar: events.append(("arrive", bar)),
+        barrier_wait=lambda bar: events.append(("wait", bar)))
+    monkeypatch.setattr(blocks, "plgpu", fake)
+    monkeypatch.setattr(blocks.pl, "when", lambda cond: (lambda fn: fn() if cond else None))
+    monkeypatch.setattr(blocks.pl, "loop", loop)
+    monkeypatch.setattr(blocks.lax, "rem", lambda a, b: a % b)
+    ring = blocks.Ring((Slots("a"), Slots("b")), (Slots("loaded"),), Slots("freed"),
+                       ((0, 1),), (4,))
+    ring.fill(4, lambda step: ([(f"a{step}.0", "rows0"), (f"a{step}.1", "rows1")], f"b{step}"))
+    by_step = [[e for e in events if e[0] != "wait" and e[-1] == ("loaded", step % 3)]
+               for step in range(3)]
+    assert by_step[1] == [("copy", "a1.0", ("a", (1, "rows0")), ("loaded", 1)),
+                          ("copy", "a1.1", ("a", (1, "rows1")), ("loaded", 1)),
+                          ("copy", "b1", ("b", 1), ("loaded", 1)),
+                          ("arrive", ("loaded", 1))]  # three copies and one plain arrival
+    assert [e for e in events if e[0] == "wait"] == [("wait", ("freed", 0))]  # step 3's slot
+    assert sum(e[0] == "arrive" for e in events) == 4  # one a step
+    crowded = blocks.Ring((Slots("a"),), (Slots("loaded"),), Slots("freed"), ((0,),), (1,))
+    with pytest.raises(ValueError, match="ring group 0: 2 copies a step, more than its "
+                                         "barrier's 1 arrivals"):
+        crowded.fill(1, lambda step: ([("x", "rows0"), ("y", "rows1")],))
 
 
 @pytest.mark.parametrize("groups", [[(0, 1)], [(0, 1), (1, 2)], [(0, 1, 2, 3)], [(0, 1), (),

@@ -267,27 +267,31 @@ def test_the_upper_pieces_are_the_weighted_sum_and_for_the_tier_the_square_one(r
     assert covered == 10 * state_kernels.BLOCK ** 2
 
 
-@pytest.mark.parametrize(("e", "quadratic"), [(64, False), (64, True), (128, False)])
+@pytest.mark.parametrize(("e", "quadratic", "packed"), [(64, False, False), (64, True, False),
+                                                      (128, False, False), (64, False, True),
+                                                      (64, True, True), (128, True, True)])
 def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypatch, e,
-                                                                         quadratic):
-    """upper=True: one Mosaic GPU kernel of the same outputs, its ring a [64, E] tile per
-    block S_i swizzled at 32 bytes (K = 16 slices), both on one barrier; the transposed
-    product and several chunks a program are refused by name."""
+                                                                         quadratic, packed):
+    """upper=True: one Mosaic GPU kernel of the same outputs, its ring two [64, E] tiles a
+    slot swizzled at 32 bytes (K = 16 slices), both on one barrier, which takes a copy per
+    block a step (2; packed: up to 8, the last rows' blocks four to a tile); the transposed
+    product, several chunks a program and packed without upper are refused by name."""
     specs = []
     real_scratch = state_kernels.Ring.scratch
     monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
-        lambda ring_specs, depth, groups=None: specs.append((ring_specs, groups))
-        or real_scratch(ring_specs, depth, groups)))
+        lambda ring_specs, depth, groups=None, arrivals=None: specs.append(
+            (ring_specs, groups, arrivals)) or real_scratch(ring_specs, depth, groups, arrivals)))
     b, hq, hk, n, c = 1, 4, 2, 2, 256
     shapes = [((b, hq, n, c, D), BF16), ((b, hq, n, D, c), BF16), ((b, hk, n + 1, D * D, e), BF16)]
     shapes += [((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32)] if quadratic else []
     text = lowered(lambda *x: state_kernels.state_to_rows(
-        *x[:3], transposed=False, slot_offset=1, upper=True,
+        *x[:3], transposed=False, slot_offset=1, upper=True, packed=packed,
         normalizer=state_kernels.Normalizer(*x[3:]) if quadratic else None), *shapes)
     assert text.count("@mosaic_gpu") == 1
     assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>" in text
     per_step = state_kernels.BLOCKS_PER_STEP
-    assert specs[-1] == ([blocks.tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
+    assert specs[-1] == ([blocks.tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))],
+                         [8 if packed else per_step])
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes[:3]]
     with pytest.raises(ValueError, match="upper: the untransposed product one chunk a program "
                                          r"\(transposed=True"):
@@ -296,6 +300,33 @@ def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypa
     with pytest.raises(ValueError, match="chunks_per_program=2"):
         state_kernels.state_to_rows(*zeros, transposed=False, slot_offset=1, upper=True,
                                     chunks_per_program=2)
+    with pytest.raises(ValueError, match="packed: the upper blocks' ring"):
+        state_kernels.state_to_rows(*zeros, transposed=False, slot_offset=1, packed=True)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_upper_segments_place_every_block_once_in_its_tile(packed):
+    """Over the segments' steps each S_i, i < 64, is placed once, with its rows j >= lo
+    (lo = 16 (i // 16)); a step's blocks stack in their tiles without overlap within 64
+    rows; the steps are consecutive from 0 (32 a chunk, packed 22), and a packed step
+    holds at least half a square step's rows."""
+    segments = state_kernels.upper_segments(D, packed)
+    placed, step = [], 0
+    for seg in segments:
+        assert seg.first == step
+        for s in range(seg.first, seg.first + seg.steps):
+            used = {}
+            for u in range(seg.blocks):
+                i, t, row = seg.place(s, u)
+                assert i // state_kernels.BLOCK * state_kernels.BLOCK == seg.lo
+                rows = set(range(row, row + D - seg.lo))
+                assert max(rows) < D and not rows & used.get(t, set())
+                used[t] = used.get(t, set()) | rows
+                placed.append(i)
+            assert sum(map(len, used.values())) >= (D if packed else D - seg.lo)
+        step += seg.steps
+    assert sorted(placed) == list(range(D))
+    assert step == (22 if packed else 32)
 
 
 def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypatch, rng):
@@ -315,6 +346,7 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     s, z = _symmetric_state(rng, b, h, n, e), _symmetric_normalizer(rng, b, h, n)
     states.rows_of_state(x, ls, s, z)
     assert [kw["upper"] for kw in calls] == [states.UPPER_BLOCKS] * 2 and states.UPPER_BLOCKS
+    assert [kw["packed"] for kw in calls] == [states.PACKED] * 2
 
 
 def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
