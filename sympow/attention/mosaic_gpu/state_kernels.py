@@ -33,7 +33,8 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
   chunks_per_program > 1, of consecutive chunks in turn, the rows loaded for each). With
   `upper` (y = phi(u) S of a symmetric S, the tier's) it reads only the upper 16 x 16
   blocks of each S_i, counting those right of the diagonal block twice (`upper_pieces`:
-  62.5 % of the products; 292 against 388 us on an H200, 2026-11-27).
+  62.5 % of the products), with `packed` its short blocks several to a ring tile (285
+  against 388 us square on an H200, 2026-11-27).
 Every operand of a step is built before the step's products are issued (`products`).
 """
 
