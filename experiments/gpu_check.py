@@ -316,7 +316,7 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
 
 def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     """Rows (output, err, note, ok): each Hopper state kernel against its definition in
-    float32 XLA (state_kernels.*_reference) on the same bf16 inputs: rows_to_state (S),
+    float32 XLA (state_references) on the same bf16 inputs: rows_to_state (S),
     state_to_rows (y = phi(u) S), its transposed form (g) and row_gradients (dx = 2 g in
     bf16, dls its row sums against x); then with the normalizer's quadratic form (Z a sum
     of phi of 16 random rows per chunk, in bf16 parts; weights w = c e^(2 ls) with random
@@ -326,13 +326,14 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     chunk (the default walks up to 4), y and dx read from there (slot 0 NaN: a read of it
     fails the row), each also by one program walking all N chunks; then state_to_rows over
     the upper blocks of S (`upper`, against its definition: the square sum with feature
-    (i, j) weighted by `state_kernels.upper_weights`) for y, y and den with the normalizer,
+    (i, j) weighted by `state_references.upper_weights`) for y, y and den with the normalizer,
     y from the slots, each again with the short blocks packed (`packed`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
+    from sympow.attention.mosaic_gpu import state_references as sr
     from sympow.attention.mosaic_gpu.states import columns, z_parts
 
     d = sk.DIM
@@ -342,7 +343,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
           else np.full((b, hq, n, c), -5000.0))
     col = columns(x, jnp.asarray(ls, jnp.float32))
     xt = jnp.swapaxes(x, -1, -2)
-    s = sk.rows_to_state_reference(xt, col, a, kv_heads=hk)
+    s = sr.rows_to_state_reference(xt, col, a, kv_heads=hk)
     r = rng.normal(size=(b, hk, n, 16, d))
     z = jnp.asarray(np.einsum("bhnri,bhnrj->bhnij", r, r).reshape(b, hk, n, d * d), jnp.float32)
     weights = jnp.asarray(rng.normal(size=(b, hq, n, c)) * np.exp(2.0 * ls), jnp.float32)
@@ -352,46 +353,46 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
         norm = sk.Normalizer(z_parts(z), weights)
         slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
         return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
-                 sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
                 (sk.state_to_rows(x, col, s, transposed=False),
-                 sk.state_to_rows_reference(x, col, s, transposed=False)),
+                 sr.state_to_rows_reference(x, col, s, transposed=False)),
                 (sk.state_to_rows(a, col, s, transposed=True),
-                 sk.state_to_rows_reference(a, col, s, transposed=True)),
-                *zip(sk.row_gradients(a, x, col, s), sk.row_gradients_reference(a, x, col, s),
+                 sr.state_to_rows_reference(a, col, s, transposed=True)),
+                *zip(sk.row_gradients(a, x, col, s), sr.row_gradients_reference(a, x, col, s),
                      strict=True),
                 *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm),
-                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm),
+                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm),
                      strict=True),
                 *zip(sk.row_gradients(a, x, col, s, normalizer=norm),
-                     sk.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
+                     sr.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
                 (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
-                 sk.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
                 *((sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
                                     chunks_per_program=k)[:, :, 1:],
-                   sk.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
+                   sr.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
                 *((sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1,
                                     chunks_per_program=k),
-                   sk.state_to_rows_reference(x, col, s, transposed=False)) for k in (1, n)),
+                   sr.state_to_rows_reference(x, col, s, transposed=False)) for k in (1, n)),
                 *((sk.row_gradients(a, x, col, slotted, slot_offset=1, chunks_per_program=k)[0],
-                   sk.row_gradients_reference(a, x, col, s)[0]) for k in (1, n)),
+                   sr.row_gradients_reference(a, x, col, s)[0]) for k in (1, n)),
                 # over the upper blocks of S (symmetric but for col's bf16 rounding)
                 (sk.state_to_rows(x, col, s, transposed=False, upper=True),
-                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
                 *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True),
-                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
+                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
                                                 upper=True), strict=True),
                 (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True),
-                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
                 # ... with the short blocks packed into fewer ring steps
                 (sk.state_to_rows(x, col, s, transposed=False, upper=True, packed=True),
-                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
                 *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True,
                                       packed=True),
-                     sk.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
+                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
                                                 upper=True), strict=True),
                 (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True,
                                   packed=True),
-                 sk.state_to_rows_reference(x, col, s, transposed=False, upper=True))]
+                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",

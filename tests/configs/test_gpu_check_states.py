@@ -12,15 +12,16 @@ sys.path.insert(0, "experiments")
 import numpy as np
 import gpu_check
 from sympow.attention.mosaic_gpu import state_kernels as sk
+from sympow.attention.mosaic_gpu import state_references as sr
 
 def without(*names):
     def wrap(fn):
         return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k not in names})
     return wrap
 
-sk.rows_to_state = without("chunks_per_program", "stages")(sk.rows_to_state_reference)
-sk.state_to_rows = without("chunks_per_program", "stages")(sk.state_to_rows_reference)
-sk.row_gradients = without("chunks_per_program", "stages")(sk.row_gradients_reference)
+sk.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_reference)
+sk.state_to_rows = without("chunks_per_program", "stages")(sr.state_to_rows_reference)
+sk.row_gradients = without("chunks_per_program", "stages")(sr.row_gradients_reference)
 for scales in ("ordinary", "full"):
     rows = gpu_check.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
     print(scales, [(name, ok) for name, _, _, ok in rows])

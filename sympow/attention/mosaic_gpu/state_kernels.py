@@ -182,7 +182,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
     slots = n if slots is None else slots
-    _check_slots(slots, n, slot_offset)
+    check_slots(slots, n, slot_offset)
     if chunks_per_program is None:
         chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
     _check_chunks_per_program(chunks_per_program, n)
@@ -264,7 +264,7 @@ def _check_chunks_per_program(chunks_per_program: int, n: int) -> None:
         raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
 
 
-def _check_slots(slots: int, n: int, slot_offset: int) -> None:
+def check_slots(slots: int, n: int, slot_offset: int) -> None:
     """A state array's slots must hold chunk n at slot n + slot_offset for every n < N."""
     if slot_offset < 0 or slots < n + slot_offset:
         raise ValueError(f"states of {slots} slots cannot hold {n} chunks from slot "
@@ -348,7 +348,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
     hk, e = s.shape[1], s.shape[-1]
-    _check_slots(s.shape[2], n, slot_offset)
+    check_slots(s.shape[2], n, slot_offset)
     groups, width = hx // hk, d if transposed else e
     gradient, quadratic = x is not None, normalizer is not None
     _check_chunks_per_program(chunks_per_program, n)
@@ -542,70 +542,3 @@ def quadratic_product(x_smem, parts_smem):
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((ROWS, d), F32))
-
-
-# The same functions in plain JAX (float32, exact products): the specification the GPU
-# check compares the kernels with, and what CPU tests put in their place.
-
-def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
-                            slot_offset: int = 0):
-    """The slots no chunk maps to hold NaN: what reads them shows."""
-    b, hx, n, d, c = xt.shape
-    slots = n if slots is None else slots
-    _check_slots(slots, n, slot_offset)
-    grouped = lambda x: x.reshape(b, kv_heads, hx // kv_heads, *x.shape[2:])  # noqa: E731
-    s = jnp.einsum("bhgnir,bhgnjr,bhgnre->bhnije", grouped(col.astype(F32)),
-                   grouped(xt.astype(F32)),
-                   grouped(a.astype(F32)), precision=lax.Precision.HIGHEST)
-    s = s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
-    unwritten = jnp.full((b, kv_heads, slots, d * d, a.shape[-1]), jnp.nan, BF16)
-    return unwritten.at[:, :, slot_offset:slot_offset + n].set(s)
-
-
-def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None,
-                            slot_offset: int = 0):
-    g = state_to_rows_reference(a, col, s, transposed=True, slot_offset=slot_offset)
-    if normalizer is not None:
-        g = g + normalizer.weights[..., None] * quadratic_product_reference(x, normalizer)
-    dx = 2.0 * g
-    return dx.astype(BF16), jnp.sum(dx * x.astype(F32), axis=-1)
-
-
-def state_to_rows_reference(rows, col, s, *, transposed: bool,
-                            normalizer: Normalizer | None = None, slot_offset: int = 0,
-                            upper: bool = False, packed: bool = False):
-    """packed changes the kernel's ring walk, not its sum: taken and unused here."""
-    del packed
-    b, hx, n, c, _ = rows.shape
-    d, hk = col.shape[-2], s.shape[1]
-    _check_slots(s.shape[2], n, slot_offset)
-    s = s[:, :, slot_offset:slot_offset + n]
-    s = s * upper_weights(s.dtype)[:, None] if upper else s
-    blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
-    spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
-    out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
-                     precision=lax.Precision.HIGHEST)
-    if normalizer is None:
-        return out
-    xz = quadratic_product_reference(rows, normalizer)
-    return out, normalizer.weights * jnp.sum(xz * rows.astype(F32), axis=-1)
-
-
-def upper_weights(dtype=F32):
-    """[D^2]: the weight of feature (i, j) in `state_to_rows(upper=True)`'s sum, 1 in the
-    diagonal blocks (i // BLOCK == j // BLOCK), 2 right of them, 0 left of them. For the
-    tier's states and columns (S symmetric, col = x^T e^(2 ls), so col_ir x_rj is too)
-    the weighted sum is the square one."""
-    block = jnp.arange(DIM) // BLOCK
-    weights = jnp.where(block[:, None] == block[None, :], 1.0,
-                        jnp.where(block[:, None] < block[None, :], 2.0, 0.0))
-    return weights.reshape(-1).astype(dtype)
-
-
-def quadratic_product_reference(x, normalizer: Normalizer):
-    """x Z [B, Hx, N, C, D] float32 for rows x [B, Hx, N, C, D] and Z the sum of the parts."""
-    parts = normalizer.parts[:, :, :x.shape[2]].astype(F32)  # by chunk (more slots: unread)
-    b, hk, n, three_d, d = parts.shape
-    z = parts.reshape(b, hk, n, 3, d, d).sum(axis=3)
-    z = jnp.repeat(z, x.shape[1] // hk, axis=1)
-    return jnp.einsum("bhnci,bhnij->bhncj", x.astype(F32), z, precision=lax.Precision.HIGHEST)

@@ -21,7 +21,7 @@ import pytest
 
 from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, state_kernels, states, vjps
+from sympow.attention.mosaic_gpu import blocks, state_kernels, state_references, states, vjps
 from sympow.attention.mosaic_gpu import primitives as hopper
 from sympow.attention.pallas.plan import tiled_layout
 from tests.attention.mosaic_gpu.test_attention_kernels import lowered
@@ -41,9 +41,9 @@ def phi(u):
 @pytest.fixture
 def definitions(monkeypatch):
     """The kernels' definitions in their place, and every problem taken as supported."""
-    monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
-    monkeypatch.setattr(state_kernels, "state_to_rows", state_kernels.state_to_rows_reference)
-    monkeypatch.setattr(state_kernels, "row_gradients", state_kernels.row_gradients_reference)
+    monkeypatch.setattr(state_kernels, "rows_to_state", state_references.rows_to_state_reference)
+    monkeypatch.setattr(state_kernels, "state_to_rows", state_references.state_to_rows_reference)
+    monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
     monkeypatch.setattr(states, "unsupported", lambda *_: None)
 
 
@@ -104,7 +104,7 @@ def test_the_kernels_take_states_in_slots():
                                     transposed=False, slot_offset=1)
     with pytest.raises(ValueError, match="states of 2 slots cannot hold 2 chunks from slot "
                                          "slot_offset=1"):
-        state_kernels.rows_to_state_reference(jnp.swapaxes(rows, -1, -2), col,
+        state_references.rows_to_state_reference(jnp.swapaxes(rows, -1, -2), col,
                                               jnp.zeros((b, hq, n, c, e), BF16), kv_heads=hk,
                                               slots=n, slot_offset=1)
 
@@ -252,7 +252,7 @@ def test_the_upper_pieces_are_the_weighted_sum_and_for_the_tier_the_square_one(r
     scaled: the tier's col), and not otherwise; the pieces cover 10 of the 16 blocks at
     D = 64 (62.5 % of the products)."""
     c, x, s = rng.normal(size=D), rng.normal(size=D), rng.normal(size=(D, D, 3))
-    weights = np.asarray(state_kernels.upper_weights(), np.float64).reshape(D, D, 1)
+    weights = np.asarray(state_references.upper_weights(), np.float64).reshape(D, D, 1)
     square = lambda c_, x_, s_: np.einsum("i,j,ije->e", c_, x_, s_)  # noqa: E731
     np.testing.assert_allclose(_upper_sum(c, x, s), square(c, x, weights * s), rtol=1e-10)
     symmetric = s + np.swapaxes(s, 0, 1)
@@ -334,9 +334,9 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     states.UPPER_BLOCKS; row_gradients (which needs both triangles) does not take it."""
     calls = []
     monkeypatch.setattr(state_kernels, "state_to_rows", lambda *a, **kw: calls.append(kw)
-                        or state_kernels.state_to_rows_reference(*a, **kw))
-    monkeypatch.setattr(state_kernels, "rows_to_state", state_kernels.rows_to_state_reference)
-    monkeypatch.setattr(state_kernels, "row_gradients", state_kernels.row_gradients_reference)
+                        or state_references.state_to_rows_reference(*a, **kw))
+    monkeypatch.setattr(state_kernels, "rows_to_state", state_references.rows_to_state_reference)
+    monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
     b, h, n, c, e = 1, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, h, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, h, n, c)), F32)
@@ -370,19 +370,19 @@ def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
     per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
     hi = jax.lax.Precision.HIGHEST
     want = per_kv(jnp.einsum("bhncf,bhnce->bhnfe", phi(u), a, precision=hi))
-    got = state_kernels.rows_to_state_reference(jnp.swapaxes(x, -1, -2), col, a, kv_heads=hk)
+    got = state_references.rows_to_state_reference(jnp.swapaxes(x, -1, -2), col, a, kv_heads=hk)
     assert testing.rel_err(got, want) < 2 ** -8  # the state is stored in bf16
     s = jnp.asarray(want, F32)  # symmetric in (i, j)
     s_q = jnp.repeat(s, hq // hk, axis=1)
-    y = state_kernels.state_to_rows_reference(x, col, s, transposed=False)
+    y = state_references.state_to_rows_reference(x, col, s, transposed=False)
     assert testing.rel_err(y, jnp.einsum("bhncf,bhnfe->bhnce", phi(u), s_q, precision=hi)) < 1e-6
     # transposed: the row gradient of phi(u) . (S a) is 2 e^ls col-weighted S_j^T a products
-    g = state_kernels.state_to_rows_reference(a, col, s, transposed=True)
+    g = state_references.state_to_rows_reference(a, col, s, transposed=True)
     grad = jax.grad(lambda x: jnp.sum(phi(x * jnp.exp(ls)[..., None])
                                       * jnp.einsum("bhnfe,bhnce->bhncf", s_q, a, precision=hi)))
     assert testing.rel_err(2 * g, grad(x)) < 1e-5
     # row_gradients: that gradient in bf16 and its row sums against x (the ls cotangent)
-    dx, dls = state_kernels.row_gradients_reference(a, x, col, s)
+    dx, dls = state_references.row_gradients_reference(a, x, col, s)
     assert dx.dtype == BF16 and testing.rel_err(dx.astype(F32), grad(x)) < 2 ** -8
     grad_ls = jax.grad(lambda ls: jnp.sum(phi(x * jnp.exp(ls)[..., None]) * jnp.einsum(
         "bhnfe,bhnce->bhncf", s_q, a, precision=hi)))(ls)
@@ -429,13 +429,13 @@ def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
         state = jnp.einsum("bhnfe,bhnce->bhncf", repeat(s), a, precision=hi)
         return jnp.sum(f * state) + jnp.sum(factor * jnp.sum(f * repeat(z)[:, :, :, None], -1))
 
-    y, den = state_kernels.state_to_rows_reference(x, col, s, transposed=False,
+    y, den = state_references.state_to_rows_reference(x, col, s, transposed=False,
                                                    normalizer=normalizer)
     want = factor * jnp.sum(phi(x * jnp.exp(ls)[..., None]) * repeat(z)[:, :, :, None], -1)
     assert testing.rel_err(den, want) < 1e-6
-    assert testing.rel_err(y, state_kernels.state_to_rows_reference(
+    assert testing.rel_err(y, state_references.state_to_rows_reference(
         x, col, s, transposed=False)) == 0
-    dx, dls = state_kernels.row_gradients_reference(a, x, col, s, normalizer=normalizer)
+    dx, dls = state_references.row_gradients_reference(a, x, col, s, normalizer=normalizer)
     grad_x, grad_ls = jax.grad(form, argnums=(0, 1))(x, ls)
     assert testing.rel_err(dx.astype(F32), grad_x) < 2 ** -8  # dx leaves in bf16
     assert testing.rel_err(dls, grad_ls) < 1e-5
@@ -461,7 +461,7 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
 
     def state_definition(x, ls, a):  # (S, z) of the grouped rows, by chunk
         u = x.astype(F32) * jnp.exp(ls)[..., None]
-        return (state_kernels.rows_to_state_reference(
+        return (state_references.rows_to_state_reference(
             jnp.swapaxes(x, -1, -2), states.columns(x, ls), a, kv_heads=hk),
             per_kv(jnp.sum(phi(u), axis=3)))
 
@@ -483,7 +483,7 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
 
     def rows_definition(x, ls, s, z):  # (phi(u) S, phi(u) . z)
         u = x.astype(F32) * jnp.exp(ls)[..., None]
-        return (state_kernels.state_to_rows_reference(x, states.columns(x, ls), s,
+        return (state_references.state_to_rows_reference(x, states.columns(x, ls), s,
                                                       transposed=False),
                 jnp.sum(phi(u) * repeat(z)[:, :, :, None], axis=-1))
 

@@ -1,0 +1,86 @@
+"""The Hopper state kernels (`state_kernels`) in plain JAX: float32, exact products.
+
+The specification `experiments/gpu_check.py` compares the kernels with on a GPU, and what
+the CPU tests put in the kernels' place to check the custom_vjps and the chunked algorithm
+around them (`tests/attention/mosaic_gpu/test_states.py`). Same arguments and outputs as
+the kernels (shapes in their docstrings), but every output float32 where the kernel's is
+float32 or rounded as the kernel rounds it (S and dx to bf16).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from sympow.attention.mosaic_gpu.state_kernels import (
+    BF16,
+    BLOCK,
+    DIM,
+    F32,
+    Normalizer,
+    check_slots,
+)
+
+
+def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
+                            slot_offset: int = 0):
+    """The slots no chunk maps to hold NaN: what reads them shows."""
+    b, hx, n, d, c = xt.shape
+    slots = n if slots is None else slots
+    check_slots(slots, n, slot_offset)
+    grouped = lambda x: x.reshape(b, kv_heads, hx // kv_heads, *x.shape[2:])  # noqa: E731
+    s = jnp.einsum("bhgnir,bhgnjr,bhgnre->bhnije", grouped(col.astype(F32)),
+                   grouped(xt.astype(F32)),
+                   grouped(a.astype(F32)), precision=lax.Precision.HIGHEST)
+    s = s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
+    unwritten = jnp.full((b, kv_heads, slots, d * d, a.shape[-1]), jnp.nan, BF16)
+    return unwritten.at[:, :, slot_offset:slot_offset + n].set(s)
+
+
+def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None,
+                            slot_offset: int = 0):
+    g = state_to_rows_reference(a, col, s, transposed=True, slot_offset=slot_offset)
+    if normalizer is not None:
+        g = g + normalizer.weights[..., None] * quadratic_product_reference(x, normalizer)
+    dx = 2.0 * g
+    return dx.astype(BF16), jnp.sum(dx * x.astype(F32), axis=-1)
+
+
+def state_to_rows_reference(rows, col, s, *, transposed: bool,
+                            normalizer: Normalizer | None = None, slot_offset: int = 0,
+                            upper: bool = False, packed: bool = False):
+    """packed changes the kernel's ring walk, not its sum: taken and unused here."""
+    del packed
+    b, hx, n, c, _ = rows.shape
+    d, hk = col.shape[-2], s.shape[1]
+    check_slots(s.shape[2], n, slot_offset)
+    s = s[:, :, slot_offset:slot_offset + n]
+    s = s * upper_weights(s.dtype)[:, None] if upper else s
+    blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
+    spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
+    out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
+                     precision=lax.Precision.HIGHEST)
+    if normalizer is None:
+        return out
+    xz = quadratic_product_reference(rows, normalizer)
+    return out, normalizer.weights * jnp.sum(xz * rows.astype(F32), axis=-1)
+
+
+def upper_weights(dtype=F32):
+    """[D^2]: the weight of feature (i, j) in `state_to_rows(upper=True)`'s sum, 1 in the
+    diagonal blocks (i // BLOCK == j // BLOCK), 2 right of them, 0 left of them. For the
+    tier's states and columns (S symmetric, col = x^T e^(2 ls), so col_ir x_rj is too)
+    the weighted sum is the square one."""
+    block = jnp.arange(DIM) // BLOCK
+    weights = jnp.where(block[:, None] == block[None, :], 1.0,
+                        jnp.where(block[:, None] < block[None, :], 2.0, 0.0))
+    return weights.reshape(-1).astype(dtype)
+
+
+def quadratic_product_reference(x, normalizer: Normalizer):
+    """x Z [B, Hx, N, C, D] float32 for rows x [B, Hx, N, C, D] and Z the sum of the parts."""
+    parts = normalizer.parts[:, :, :x.shape[2]].astype(F32)  # by chunk (more slots: unread)
+    b, hk, n, three_d, d = parts.shape
+    z = parts.reshape(b, hk, n, 3, d, d).sum(axis=3)
+    z = jnp.repeat(z, x.shape[1] // hk, axis=1)
+    return jnp.einsum("bhnci,bhnij->bhncj", x.astype(F32), z, precision=lax.Precision.HIGHEST)
