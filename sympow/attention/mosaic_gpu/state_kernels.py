@@ -426,15 +426,15 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     slot = ring.slot(step)  # the ring's step counts over the chunks
                     step_in_chunk = step - k * steps if several else step
                     tiles = ring.wait(slot, 0)
-                    if seg is None:  # (i, S_i [D, E]): one slab of whole blocks
-                        entries = [(step_in_chunk * per_step + u, tiles[0].at[pl.ds(u * d, d)])
-                                   for u in range(per_step)]
-                    else:  # (i, (its tile, its first row)): S_i[lo:] stacked per_tile
-                        entries = [(i, (tiles[t], row))
-                                   for i, t, row in (seg.place(step, u, d)
-                                                     for u in range(seg.blocks))]
+                    # (i, its tile, its first row): one slab of whole blocks S_i, or with
+                    # the upper blocks S_i[lo:] stacked per_tile to a tile
+                    entries = ([(step_in_chunk * per_step + u, tiles[0], u * d)
+                                for u in range(per_step)] if seg is None else
+                               [(i, tiles[t], row) for i, t, row in (
+                                   seg.place(step, u, d) for u in range(seg.blocks))])
                     accs, operands, rhs = [], [], []
-                    for i, block in entries:
+                    for i, tile_ref, row in entries:
+                        block = tile_ref.at[pl.ds(row, d)] if seg is None else None
                         for acc_ref, base, r in zip(acc_refs, bases, blocks, strict=True):
                             x = plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
                             x = x.astype(BF16)
@@ -442,7 +442,6 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                                 pieces = [(base, x, block.transpose((1, 0)) if transposed
                                            else block)]
                             else:  # base's columns j of each piece against S_i's rows j
-                                tile_ref, row = block
                                 pieces = [(base[:, start:stop], weight * x, tile_ref.at[
                                     pl.ds(row + start - seg.lo, stop - start)])
                                           for start, stop, weight in upper_pieces(seg.lo, d)]
