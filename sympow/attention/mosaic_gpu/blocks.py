@@ -213,7 +213,7 @@ class Ring:
     loaded: Sequence
     freed: object
     groups: tuple[tuple[int, ...], ...]
-    arrivals: tuple[int, ...] = ()  # per group: the arrivals a step's barrier takes
+    arrivals: tuple[int, ...]  # per group: the arrivals a step's barrier takes
 
     @property
     def stages(self) -> int:

@@ -63,6 +63,12 @@ UPPER_BLOCKS = True
 PACKED = True
 
 
+def _upper_options() -> dict[str, bool]:
+    """The untransposed state_to_rows' keywords for UPPER_BLOCKS and PACKED (read at each
+    call, so a test may set either)."""
+    return {"upper": UPPER_BLOCKS, "packed": UPPER_BLOCKS and PACKED}
+
+
 def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str | None:
     """Why the Hopper state kernels cannot run a chunked problem, or None."""
     if config.interpret:
@@ -129,7 +135,7 @@ def _state_of_rows_bwd(kv_heads, res, cotangents):
     ds = ds.astype(BF16)
     col = columns(x, ls)
     da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1,
-                                     upper=UPPER_BLOCKS, packed=UPPER_BLOCKS and PACKED)
+                                     **_upper_options())
     # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
     dx, dls = state_kernels.row_gradients(
         a, x, col, ds, slot_offset=1,
@@ -152,8 +158,7 @@ def rows_of_state(x, ls, s, z):
 def _rows_of_state_fwd(x, ls, s, z):
     parts = z_parts(z)
     out = state_kernels.state_to_rows(
-        x, columns(x, ls), s, transposed=False, upper=UPPER_BLOCKS,
-        packed=UPPER_BLOCKS and PACKED,
+        x, columns(x, ls), s, transposed=False, **_upper_options(),
         normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
     return out, (x, ls, s, parts)
 
