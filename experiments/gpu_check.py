@@ -327,7 +327,10 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     fails the row), each also by one program walking all N chunks; then state_to_rows over
     the upper blocks of S (`upper`, against its definition: the square sum with feature
     (i, j) weighted by `state_references.upper_weights`) for y, y and den with the normalizer,
-    y from the slots, each again with the short blocks packed (`packed`)."""
+    y from the slots, each again with the short blocks packed (`packed`), and again with
+    each step's blocks in two halves (`pipelined`: the tier's y and da; `_halves`); the
+    square y and row_gradients in halves; rows_to_state issuing whole steps
+    (`pipelined=False`; its default issues halves)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -347,6 +350,8 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     r = rng.normal(size=(b, hk, n, 16, d))
     z = jnp.asarray(np.einsum("bhnri,bhnrj->bhnij", r, r).reshape(b, hk, n, d * d), jnp.float32)
     weights = jnp.asarray(rng.normal(size=(b, hq, n, c)) * np.exp(2.0 * ls), jnp.float32)
+
+    tier = {"upper": True, "packed": True, "pipelined": True}
 
     @jax.jit
     def run(xt, col, a, x, s, z, weights):
@@ -392,13 +397,29 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                                                 upper=True), strict=True),
                 (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True,
                                   packed=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True))]
+                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                # ... and each step's blocks in two halves (the tier's y and da)
+                *((sk.state_to_rows(x, col, s, transposed=False, **tier),
+                   sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
+                  *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, **tier),
+                       sr.state_to_rows_reference(x, col, s, transposed=False,
+                                                  normalizer=norm, upper=True), strict=True),
+                  (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, **tier),
+                   sr.state_to_rows_reference(x, col, s, transposed=False, upper=True))),
+                # the square products with their steps in halves; rows_to_state without
+                (sk.state_to_rows(x, col, s, transposed=False, pipelined=True),
+                 sr.state_to_rows_reference(x, col, s, transposed=False)),
+                *zip(sk.row_gradients(a, x, col, s, pipelined=True),
+                     sr.row_gradients_reference(a, x, col, s), strict=True),
+                (sk.rows_to_state(xt, col, a, kv_heads=hk, pipelined=False),
+                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
              "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
-             "y_slots_packed")
+             "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
+             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps")
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

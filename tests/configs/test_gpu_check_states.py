@@ -34,6 +34,7 @@ def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
     names = ["S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
              "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
-             "y_slots_packed"]
+             "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
+             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps"]
     for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
         assert line == f"{scales} {[(name, True) for name in names]}", line

@@ -356,3 +356,58 @@ def launch(body, *, name: str, out_type, scratch, grid, grid_names, args):
                      compiler_params=plgpu.CompilerParams(
                          approx_math=True,
                          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)
+
+
+def products(acc_refs, operands, rhs) -> None:
+    """acc_refs[k] += operands[k] @ rhs[k] for register operands built beforehand, then
+    wait.
+
+    A running wgmma reads its A registers asynchronously, and nothing keeps a traced value
+    alive past the call that consumes it: building the next operand while a product runs
+    could reuse those registers (it did: wrong sums at E = 128). So every operand of a step
+    is built first, all products issued, and the step waits for them; the other compute
+    warpgroup's products fill the tensor cores meanwhile. (Building each operand just
+    before its product, every operand kept alive past the wait by an optimization
+    barrier, measured the same on an H200, 2026-11-27: ptxas schedules both alike.)
+    `products_in_halves` keeps half a step in flight instead."""
+    for acc_ref, operand, b in zip(acc_refs, operands, rhs, strict=True):
+        plgpu.wgmma(acc_ref, operand, b)
+    plgpu.wgmma_wait(0)
+
+
+def products_in_halves(ring: Ring, first_step, end, halves: Callable) -> None:
+    """acc += operand @ b over ring steps first_step .. end - 1 (at least one), a step's
+    products in two halves, each half's register operands built while the other half's
+    products run (`products` builds a whole step, then waits for it).
+
+    halves(step, slot) waits for the blocks of ring step `step` in its slot and returns two
+    callables, each building its half's products as [(acc_ref, operand, b)] when called.
+    A half runs
+    while the next is built: the step's first half while its second is, and its second
+    while the next step's first is; a step's slot is released once its second half is done
+    (in the next step). At most two halves are in flight, so as many operands are alive
+    as in `products` when the halves are equal: the half built next takes the registers of
+    the half the last wait saw finish. A running half is carried on (through the walk's
+    loop) and past that wait by `lax.optimization_barrier`, so that no value reuses its
+    registers while its products read them (`products`). The first step runs before the
+    loop, with nothing in flight before it."""
+    def issue(half):
+        for acc_ref, operand, b in half:
+            plgpu.wgmma(acc_ref, operand, b)
+        return [operand for _, operand, _ in half]
+
+    def visit(step, in_flight):  # in_flight: the last step's second half, running
+        build_first, build_second = halves(step, ring.slot(step))
+        first = issue(build_first())
+        plgpu.wgmma_wait(len(first))  # the last step's second half is done
+        if in_flight is not None:
+            in_flight, first = lax.optimization_barrier((in_flight, first))
+            ring.release(ring.slot(step - 1))
+        second = issue(build_second())
+        plgpu.wgmma_wait(len(second))  # this step's first half is done
+        return lax.optimization_barrier((first, second))[1]
+
+    last = lax.fori_loop(first_step + 1, end, visit, visit(first_step, None))
+    plgpu.wgmma_wait(0)
+    lax.optimization_barrier(last)
+    ring.release(ring.slot(end - 1))

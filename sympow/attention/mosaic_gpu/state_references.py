@@ -23,8 +23,10 @@ from sympow.attention.mosaic_gpu.state_kernels import (
 
 
 def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
-                            slot_offset: int = 0):
-    """The slots no chunk maps to hold NaN: what reads them shows."""
+                            slot_offset: int = 0, pipelined: bool = True):
+    """The slots no chunk maps to hold NaN: what reads them shows. pipelined (the order
+    the kernel issues its products in): taken and unused."""
+    del pipelined
     b, hx, n, d, c = xt.shape
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)
@@ -38,7 +40,8 @@ def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = No
 
 
 def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None,
-                            slot_offset: int = 0):
+                            slot_offset: int = 0, pipelined: bool = False):
+    del pipelined  # the order the kernel issues its products in
     g = state_to_rows_reference(a, col, s, transposed=True, slot_offset=slot_offset)
     if normalizer is not None:
         g = g + normalizer.weights[..., None] * quadratic_product_reference(x, normalizer)
@@ -48,9 +51,10 @@ def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = Non
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool,
                             normalizer: Normalizer | None = None, slot_offset: int = 0,
-                            upper: bool = False, packed: bool = False):
-    """packed changes the kernel's ring walk, not its sum: taken and unused here."""
-    del packed
+                            upper: bool = False, packed: bool = False, pipelined: bool = False):
+    """packed and pipelined change the kernel's ring walk and the order it issues its
+    products in, not its sum: taken and unused here."""
+    del packed, pipelined
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     check_slots(s.shape[2], n, slot_offset)

@@ -58,7 +58,8 @@ NORMALIZER_ALGORITHM = "BF16_BF16_F32_X6"
 COLUMNS_DTYPE = "bfloat16"
 # Whether y = phi(u) S and the update side's da read only the upper blocks of the symmetric
 # states (`state_kernels.state_to_rows(upper=True)`: 62.5 % of the products), and with
-# their short blocks packed into fewer ring steps (`packed`).
+# their short blocks packed into fewer ring steps (`packed`), each step's blocks in two
+# halves whose operands are built while the other half's products run (`pipelined`).
 UPPER_BLOCKS = True
 PACKED = True
 
@@ -66,7 +67,8 @@ PACKED = True
 def _upper_options() -> dict[str, bool]:
     """The untransposed state_to_rows' keywords for UPPER_BLOCKS and PACKED (read at each
     call, so a test may set either)."""
-    return {"upper": UPPER_BLOCKS, "packed": UPPER_BLOCKS and PACKED}
+    return {"upper": UPPER_BLOCKS, "packed": UPPER_BLOCKS and PACKED,
+            "pipelined": UPPER_BLOCKS}
 
 
 def unsupported(config: AttentionConfig, d: int, e: int, c: int, dtype) -> str | None:

@@ -395,6 +395,69 @@ def test_a_ring_fill_makes_up_a_step_with_fewer_copies_by_plain_arrivals(monkeyp
         crowded.fill(1, lambda step: ([("x", "rows0"), ("y", "rows1")],))
 
 
+def test_products_in_halves_builds_each_half_while_the_other_runs(monkeypatch):
+    """Each step: its first half built and issued, a wait that leaves it running (the last
+    step's second half done), that half kept alive past the wait and its slot released,
+    the second half built and issued, a wait that leaves it running (the first half done),
+    both kept alive past it; after the last step a full wait and its slot released. Every
+    slot is released once, after the products that read it. (The primitives are recorded
+    in place of the kernel's: the bookkeeping is plain Python.)"""
+    events = []
+
+    def wait(n):
+        events.append(("wait", n))
+
+    def keep(values):
+        events.append(("keep", values))
+        return values
+
+    def loop(lower, upper, body, carry):
+        for step in range(lower, upper):
+            carry = body(step, carry)
+        return carry
+
+    fake = types.SimpleNamespace(
+        wgmma=lambda acc, operand, b: events.append(("wgmma", acc, operand, b)),
+        wgmma_wait=wait, barrier_arrive=lambda bar: events.append(("release", bar)))
+    monkeypatch.setattr(blocks, "plgpu", fake)
+    monkeypatch.setattr(blocks.lax, "rem", lambda a, b: a % b)
+    monkeypatch.setattr(blocks.lax, "fori_loop", loop)
+    monkeypatch.setattr(blocks.lax, "optimization_barrier", keep)
+
+    class Freed:  # the ring's freed barriers: .at[slot]
+        at = {slot: f"freed{slot}" for slot in range(2)}
+
+    ring = blocks.Ring((types.SimpleNamespace(shape=(2,)),), ("loaded",), Freed, ((0,),), (1,))
+
+    def halves(step, slot):
+        def half(ts):
+            def build():
+                events.append(("build", step, tuple(ts)))
+                return [(f"acc{t}", f"op{step}.{t}", f"b{slot}") for t in ts]
+            return build
+        return half((0, 1)), half((2, 3))
+
+    blocks.products_in_halves(ring, 4, 7, halves)
+
+    def issued(step, ts):
+        return [("build", step, ts)] + [("wgmma", f"acc{t}", f"op{step}.{t}",
+                                         f"b{step % 2}") for t in ts]
+
+    def ops(step, ts):
+        return [f"op{step}.{t}" for t in ts]
+
+    expected = []
+    for step in range(4, 7):
+        expected += issued(step, (0, 1)) + [("wait", 2)]
+        if step > 4:
+            expected += [("keep", (ops(step - 1, (2, 3)), ops(step, (0, 1)))),
+                         ("release", f"freed{(step - 1) % 2}")]
+        expected += issued(step, (2, 3)) + [("wait", 2),
+                                            ("keep", (ops(step, (0, 1)), ops(step, (2, 3))))]
+    expected += [("wait", 0), ("keep", ops(6, (2, 3))), ("release", "freed0")]
+    assert events == expected
+
+
 @pytest.mark.parametrize("groups", [[(0, 1)], [(0, 1), (1, 2)], [(0, 1, 2, 3)], [(0, 1), (),
                                                                                  (2,)]])
 def test_ring_groups_must_split_the_arrays(groups):

@@ -11,6 +11,7 @@ definitions there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 
@@ -164,6 +165,38 @@ def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
     with pytest.raises(ValueError, match="step_barriers=2: 1"):
         state_kernels.rows_to_state(*zeros, kv_heads=2, step_barriers=2)
+
+
+def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
+    """rows_to_state walks its steps in halves by default (pipelined=False: whole steps);
+    state_to_rows and row_gradients when asked (pipelined=True), over the square blocks or
+    the upper ones; each kernel still lowers to one Mosaic GPU kernel."""
+    walks = []
+    real = state_kernels.products_in_halves
+    monkeypatch.setattr(state_kernels, "products_in_halves", lambda *args: walks.append(
+        (args[1], args[2])) or real(*args))
+    b, hq, hk, n, c, e = 1, 2, 2, 2, 256, 64
+    x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
+    xt, col, s = ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hk, n, D * D, e), BF16)
+    runs = [(lambda *v, **kw: state_kernels.rows_to_state(*v, kv_heads=hk, **kw), (xt, col, a)),
+            (lambda *v, **kw: state_kernels.state_to_rows(*v, transposed=False, **kw),
+             (x, col, s)),
+            (state_kernels.row_gradients, (a, x, col, s))]
+    # the walk's steps: rows_to_state's are traced (its chunks' loop), the others' a chunk
+    ring_steps = [None, D // state_kernels.BLOCKS_PER_STEP, D // state_kernels.BLOCKS_PER_STEP]
+    for (fn, shapes), steps, default in zip(runs, ring_steps, (True, False, False), strict=True):
+        for pipelined in (False, True):
+            walks.clear()
+            kw = {} if pipelined == default else {"pipelined": pipelined}
+            assert lowered(functools.partial(fn, **kw), *shapes).count("@mosaic_gpu") == 1
+            assert len(walks) == (1 if pipelined else 0)  # one walk a chunk, traced once
+            if pipelined and steps is not None:
+                assert walks == [(0, steps)]
+    walks.clear()
+    lowered(lambda *v: state_kernels.state_to_rows(*v, transposed=False, upper=True,
+                                                   packed=True, pipelined=True), x, col, s)
+    segments = state_kernels.upper_segments(D, packed=True)
+    assert walks == [(seg.first, seg.first + seg.steps) for seg in segments]
 
 
 @pytest.mark.parametrize("gradient", [False, True])
@@ -331,7 +364,8 @@ def test_the_upper_segments_place_every_block_once_in_its_tile(packed):
 
 def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypatch, rng):
     """Both untransposed products of the tier (query_state's y, the update side's da) pass
-    states.UPPER_BLOCKS; row_gradients (which needs both triangles) does not take it."""
+    states.UPPER_BLOCKS, with their steps in halves (`pipelined`); row_gradients (which
+    needs both triangles) does not take it."""
     calls = []
     monkeypatch.setattr(state_kernels, "state_to_rows", lambda *a, **kw: calls.append(kw)
                         or state_references.state_to_rows_reference(*a, **kw))
@@ -347,6 +381,7 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     states.rows_of_state(x, ls, s, z)
     assert [kw["upper"] for kw in calls] == [states.UPPER_BLOCKS] * 2 and states.UPPER_BLOCKS
     assert [kw["packed"] for kw in calls] == [states.PACKED] * 2
+    assert [kw["pipelined"] for kw in calls] == [states.UPPER_BLOCKS] * 2
 
 
 def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
