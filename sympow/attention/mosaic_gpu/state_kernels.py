@@ -35,7 +35,10 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
   blocks of each S_i, counting those right of the diagonal block twice (`upper_pieces`:
   62.5 % of the products), with `packed` its short blocks several to a ring tile (285
   against 388 us square on an H200, 2026-11-27).
-Every operand of a step is built before the step's products are issued (`products`).
+A step's register operands are built before their products are issued: all of the step's
+(`blocks.products`), or with `pipelined` (rows_to_state's default, the tier's upper
+state_to_rows) one half of them while the other half's products run
+(`blocks.products_in_halves`). The ring's walk over a state is `state_walks`.
 """
 
 from __future__ import annotations
@@ -72,12 +75,16 @@ from sympow.attention.mosaic_gpu.blocks import (
     swizzled,
     tile,
 )
+from sympow.attention.mosaic_gpu.state_walks import (
+    BLOCKS_PER_STEP,
+    UpperSegment,
+    upper_pieces,
+    upper_segments,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
 ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
-BLOCKS_PER_STEP = 2  # state_to_rows: blocks S_i per ring slot
-BLOCK = 16  # the symmetric state's blocks of (i, j) that state_to_rows' `upper` reads
 # Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
 # barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
 SHARED_MEMORY = (227 - 4) * 1024
@@ -96,51 +103,6 @@ def _bytes(shape, dtype) -> int:
 def features_per_warpgroup(e: int) -> int:
     """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
     return ACC_COLUMNS // e
-
-
-def upper_pieces(lo: int, d: int) -> list[tuple[int, int, int]]:
-    """(start, stop, weight) per piece of the rows j that y = phi(u) S reads of the blocks
-    S_i, i in [lo, lo + BLOCK), when S is symmetric in (i, j): the diagonal block (j in
-    [lo, lo + BLOCK)) once, the blocks right of it twice (each stands for its mirror (j, i)
-    too), the blocks left of it not at all (their mirrors stand for them). Products of
-    K = 16 and d - lo - 16: 62.5 % of the square layout's at d = 64, and of its bytes."""
-    pieces = [(lo, lo + BLOCK, 1)]
-    return pieces + [(lo + BLOCK, d, 2)] if lo + BLOCK < d else pieces
-
-
-class UpperSegment(NamedTuple):
-    """The ring steps of `state_to_rows(upper=True)` over the blocks S_i of 16 rows i, i in
-    [lo, lo + BLOCK): each S_i contributes its rows j >= lo, per_tile of them to a ring
-    tile [D, E] (stacked), BLOCKS_PER_STEP tiles a step, from ring step `first` on."""
-
-    lo: int
-    per_tile: int
-    first: int
-    steps: int
-
-    @property
-    def blocks(self) -> int:  # blocks S_i a step
-        return BLOCKS_PER_STEP * self.per_tile
-
-    def place(self, step, u: int, d: int = DIM):
-        """(i, tile, first row) of a step's u-th block S_i[lo:] (its D - lo rows j): the
-        kernel's fill and its products both find a block here."""
-        rows_j = d - self.lo
-        return (self.lo + (step - self.first) * self.blocks + u, u // self.per_tile,
-                (u % self.per_tile) * rows_j)
-
-
-def upper_segments(d: int, packed: bool) -> list[UpperSegment]:
-    """The static segments of `upper`'s ring walk: one per 16 rows i, with one block S_i a
-    tile, or `packed` as many as fit (D // (D - lo): 1, 1, 2, 4 at D = 64), so every step
-    carries at least half a square step's products: 22 steps a chunk in place of 32."""
-    segments, first = [], 0
-    for lo in range(0, d, BLOCK):
-        per_tile = d // (d - lo) if packed else 1
-        steps = BLOCK // (BLOCKS_PER_STEP * per_tile)
-        segments.append(UpperSegment(lo, per_tile, first, steps))
-        first += steps
-    return segments
 
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,

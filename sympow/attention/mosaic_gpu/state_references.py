@@ -14,12 +14,12 @@ from jax import lax
 
 from sympow.attention.mosaic_gpu.state_kernels import (
     BF16,
-    BLOCK,
     DIM,
     F32,
     Normalizer,
     check_slots,
 )
+from sympow.attention.mosaic_gpu.state_walks import BLOCK
 
 
 def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,

@@ -22,7 +22,14 @@ import pytest
 
 from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, state_kernels, state_references, states, vjps
+from sympow.attention.mosaic_gpu import (
+    blocks,
+    state_kernels,
+    state_references,
+    state_walks,
+    states,
+    vjps,
+)
 from sympow.attention.mosaic_gpu import primitives as hopper
 from sympow.attention.pallas.plan import tiled_layout
 from tests.attention.mosaic_gpu.test_attention_kernels import lowered
@@ -183,7 +190,7 @@ def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
              (x, col, s)),
             (state_kernels.row_gradients, (a, x, col, s))]
     # the walk's steps: rows_to_state's are traced (its chunks' loop), the others' a chunk
-    ring_steps = [None, D // state_kernels.BLOCKS_PER_STEP, D // state_kernels.BLOCKS_PER_STEP]
+    ring_steps = [None, D // state_walks.BLOCKS_PER_STEP, D // state_walks.BLOCKS_PER_STEP]
     for (fn, shapes), steps, default in zip(runs, ring_steps, (True, False, False), strict=True):
         for pipelined in (False, True):
             walks.clear()
@@ -195,7 +202,7 @@ def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
     walks.clear()
     lowered(lambda *v: state_kernels.state_to_rows(*v, transposed=False, upper=True,
                                                    packed=True, pipelined=True), x, col, s)
-    segments = state_kernels.upper_segments(D, packed=True)
+    segments = state_walks.upper_segments(D, packed=True)
     assert walks == [(seg.first, seg.first + seg.steps) for seg in segments]
 
 
@@ -270,10 +277,10 @@ def _upper_sum(c, x, s):
     as state_to_rows' `upper` kernel does: the pieces of `upper_pieces` of each block of
     16 rows i."""
     total = 0.0
-    for lo in range(0, D, state_kernels.BLOCK):
-        for start, stop, weight in state_kernels.upper_pieces(lo, D):
-            block = s[lo:lo + state_kernels.BLOCK, start:stop]  # [16 i, stop - start j, E]
-            total = total + weight * np.einsum("i,j,ije->e", c[lo:lo + state_kernels.BLOCK],
+    for lo in range(0, D, state_walks.BLOCK):
+        for start, stop, weight in state_walks.upper_pieces(lo, D):
+            block = s[lo:lo + state_walks.BLOCK, start:stop]  # [16 i, stop - start j, E]
+            total = total + weight * np.einsum("i,j,ije->e", c[lo:lo + state_walks.BLOCK],
                                                x[start:stop], block)
     return total
 
@@ -292,12 +299,12 @@ def test_the_upper_pieces_are_the_weighted_sum_and_for_the_tier_the_square_one(r
     np.testing.assert_allclose(_upper_sum(0.3 * x, x, symmetric), square(0.3 * x, x, symmetric),
                                rtol=1e-10)
     assert not np.allclose(_upper_sum(c, x, symmetric), square(c, x, symmetric), rtol=1e-3)
-    block = np.arange(D) // state_kernels.BLOCK
+    block = np.arange(D) // state_walks.BLOCK
     below = (block[:, None] > block[None, :])[..., None]
     assert np.all(_upper_sum(c, x, s * below) == 0.0) and np.any(square(c, x, s * below))
-    covered = sum((stop - start) * state_kernels.BLOCK for lo in range(0, D, state_kernels.BLOCK)
-                  for start, stop, _ in state_kernels.upper_pieces(lo, D))
-    assert covered == 10 * state_kernels.BLOCK ** 2
+    covered = sum((stop - start) * state_walks.BLOCK for lo in range(0, D, state_walks.BLOCK)
+                  for start, stop, _ in state_walks.upper_pieces(lo, D))
+    assert covered == 10 * state_walks.BLOCK ** 2
 
 
 @pytest.mark.parametrize(("e", "quadratic", "packed"), [(64, False, False), (64, True, False),
@@ -322,7 +329,7 @@ def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypa
         normalizer=state_kernels.Normalizer(*x[3:]) if quadratic else None), *shapes)
     assert text.count("@mosaic_gpu") == 1
     assert f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>" in text
-    per_step = state_kernels.BLOCKS_PER_STEP
+    per_step = state_walks.BLOCKS_PER_STEP
     assert specs[-1] == ([blocks.tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))],
                          [8 if packed else per_step])
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes[:3]]
@@ -343,15 +350,15 @@ def test_the_upper_segments_place_every_block_once_in_its_tile(packed):
     (lo = 16 (i // 16)); a step's blocks stack in their tiles without overlap within 64
     rows; the steps are consecutive from 0 (32 a chunk, packed 22), and a packed step
     holds at least half a square step's rows."""
-    segments = state_kernels.upper_segments(D, packed)
+    segments = state_walks.upper_segments(D, packed)
     placed, step = [], 0
     for seg in segments:
         assert seg.first == step
         for s in range(seg.first, seg.first + seg.steps):
             used = {}
             for u in range(seg.blocks):
-                i, t, row = seg.place(s, u)
-                assert i // state_kernels.BLOCK * state_kernels.BLOCK == seg.lo
+                i, t, row = seg.place(s, u, D)
+                assert i // state_walks.BLOCK * state_walks.BLOCK == seg.lo
                 rows = set(range(row, row + D - seg.lo))
                 assert max(rows) < D and not rows & used.get(t, set())
                 used[t] = used.get(t, set()) | rows
