@@ -20,7 +20,8 @@ Variants: --options=stages=2,stages=4,chunks_per_program=2 times each kernel at 
 defaults and under each entry whose keywords it takes (`stages`: its ring's depth;
 `chunks_per_program`: the chunks a program takes in turn; with the normalizer,
 state_to_rows and row_gradients refuse more than one, named; `upper=1`: state_to_rows over
-the upper blocks of the symmetric state, `upper=1;packed=1` with its short blocks packed),
+the upper blocks of the symmetric state, `upper=1;packed=1` with its short blocks packed;
+`pipelined=1` / `pipelined=0`: a step's products in two halves or whole),
 all in turns in one process
 (`timed_interleaved`: their ratios free of the machine's drift), to tell whether a kernel
 waits on its copies or on its fixed cost a program. Each variant's output is compared with
