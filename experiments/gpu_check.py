@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from state_checks import check_state_kernels  # noqa: E402  (experiments/state_checks.py, beside this script)
 
 _QUICK = flags.DEFINE_bool("quick", False, "a few small cases only")
 _MAX_T = flags.DEFINE_integer("max_t", 16384, "skip cases longer than this")
@@ -311,123 +312,6 @@ def check_primitive(rng, b, hq, hk, n, c, d, e, p, gates):
              bool(finite(m2) and below <= 1e-5 and above <= spread + 1e-4))]
     for name, x, y in zip(("dq", "dk", "dv", "da"), grads2, grads1, strict=True):
         rows.append((name, rel(x, y), "tol 3e-2", finite(x) and rel(x, y) <= 3e-2))
-    return rows
-
-
-def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
-    """Rows (output, err, note, ok): each Hopper state kernel against its definition in
-    float32 XLA (state_references) on the same bf16 inputs: rows_to_state (S),
-    state_to_rows (y = phi(u) S), its transposed form (g) and row_gradients (dx = 2 g in
-    bf16, dls its row sums against x); then with the normalizer's quadratic form (Z a sum
-    of phi of 16 random rows per chunk, in bf16 parts; weights w = c e^(2 ls) with random
-    c): state_to_rows' y and den = w x^T Z x, row_gradients' dx and dls; then the slotted
-    layout of the in-place prefix sum: S written at slots 1..N of N + 1 (slot_offset=1),
-    also by one program walking all N chunks (chunks_per_program=N) and by one program a
-    chunk (the default walks up to 4), y and dx read from there (slot 0 NaN: a read of it
-    fails the row), each also by one program walking all N chunks; then state_to_rows over
-    the upper blocks of S (`upper`, against its definition: the square sum with feature
-    (i, j) weighted by `state_references.upper_weights`) for y, y and den with the normalizer,
-    y from the slots, each again with the short blocks packed (`packed`), and again with
-    each step's blocks in two halves (`pipelined`: the tier's y and da; `_halves`); the
-    square y and row_gradients in halves; rows_to_state issuing whole steps
-    (`pipelined=False`; its default issues halves)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from sympow.attention.mosaic_gpu import state_kernels as sk
-    from sympow.attention.mosaic_gpu import state_references as sr
-    from sympow.attention.mosaic_gpu.states import columns, z_parts
-
-    d = sk.DIM
-    x = jnp.asarray(rng.normal(size=(b, hq, n, c, d)) / d ** 0.5, jnp.bfloat16)
-    a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), jnp.bfloat16)
-    ls = (rng.uniform(-2.0, 0.0, size=(b, hq, n, c)) if scales == "ordinary"
-          else np.full((b, hq, n, c), -5000.0))
-    col = columns(x, jnp.asarray(ls, jnp.float32))
-    xt = jnp.swapaxes(x, -1, -2)
-    s = sr.rows_to_state_reference(xt, col, a, kv_heads=hk)
-    r = rng.normal(size=(b, hk, n, 16, d))
-    z = jnp.asarray(np.einsum("bhnri,bhnrj->bhnij", r, r).reshape(b, hk, n, d * d), jnp.float32)
-    weights = jnp.asarray(rng.normal(size=(b, hq, n, c)) * np.exp(2.0 * ls), jnp.float32)
-
-    tier = {"upper": True, "packed": True, "pipelined": True}
-
-    @jax.jit
-    def run(xt, col, a, x, s, z, weights):
-        norm = sk.Normalizer(z_parts(z), weights)
-        slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
-        return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
-                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
-                (sk.state_to_rows(x, col, s, transposed=False),
-                 sr.state_to_rows_reference(x, col, s, transposed=False)),
-                (sk.state_to_rows(a, col, s, transposed=True),
-                 sr.state_to_rows_reference(a, col, s, transposed=True)),
-                *zip(sk.row_gradients(a, x, col, s), sr.row_gradients_reference(a, x, col, s),
-                     strict=True),
-                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm),
-                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm),
-                     strict=True),
-                *zip(sk.row_gradients(a, x, col, s, normalizer=norm),
-                     sr.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
-                (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
-                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
-                *((sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
-                                    chunks_per_program=k)[:, :, 1:],
-                   sr.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
-                *((sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1,
-                                    chunks_per_program=k),
-                   sr.state_to_rows_reference(x, col, s, transposed=False)) for k in (1, n)),
-                *((sk.row_gradients(a, x, col, slotted, slot_offset=1, chunks_per_program=k)[0],
-                   sr.row_gradients_reference(a, x, col, s)[0]) for k in (1, n)),
-                # over the upper blocks of S (symmetric but for col's bf16 rounding)
-                (sk.state_to_rows(x, col, s, transposed=False, upper=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
-                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True),
-                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
-                                                upper=True), strict=True),
-                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
-                # ... with the short blocks packed into fewer ring steps
-                (sk.state_to_rows(x, col, s, transposed=False, upper=True, packed=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
-                *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, upper=True,
-                                      packed=True),
-                     sr.state_to_rows_reference(x, col, s, transposed=False, normalizer=norm,
-                                                upper=True), strict=True),
-                (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, upper=True,
-                                  packed=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
-                # ... and each step's blocks in two halves (the tier's y and da)
-                *((sk.state_to_rows(x, col, s, transposed=False, **tier),
-                   sr.state_to_rows_reference(x, col, s, transposed=False, upper=True)),
-                  *zip(sk.state_to_rows(x, col, s, transposed=False, normalizer=norm, **tier),
-                       sr.state_to_rows_reference(x, col, s, transposed=False,
-                                                  normalizer=norm, upper=True), strict=True),
-                  (sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1, **tier),
-                   sr.state_to_rows_reference(x, col, s, transposed=False, upper=True))),
-                # the square products with their steps in halves; rows_to_state without
-                (sk.state_to_rows(x, col, s, transposed=False, pipelined=True),
-                 sr.state_to_rows_reference(x, col, s, transposed=False)),
-                *zip(sk.row_gradients(a, x, col, s, pipelined=True),
-                     sr.row_gradients_reference(a, x, col, s), strict=True),
-                (sk.rows_to_state(xt, col, a, kv_heads=hk, pipelined=False),
-                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk))]
-
-    rows = []
-    names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
-             "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
-             "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
-             "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
-             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps")
-    for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-        zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
-        # den: float32-accurate products of the bf16 rows with Z's parts
-        tol = 1e-5 if name.startswith("den") else 1e-2
-        ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= tol)
-        rows.append((name, err, "exact 0" if scales == "full" else f"tol {tol:g}", ok))
     return rows
 
 

@@ -1,6 +1,7 @@
-"""experiments/gpu_check.py's state-kernel check on the CPU, with the kernels' plain-JAX
-definitions in their place (the kernels themselves need a Hopper GPU): every row it names
-is computed and passes, so a GPU call spends no time on a check that cannot run."""
+"""experiments/gpu_check.py's state-kernel check (experiments/state_checks.py) on the CPU,
+with the kernels' plain-JAX definitions in their place (the kernels themselves need a
+Hopper GPU): every row it names is computed and passes, so a GPU call spends no time on a
+check that cannot run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ SCRIPT = """
 import sys
 sys.path.insert(0, "experiments")
 import numpy as np
-import gpu_check
+import state_checks
 from sympow.attention.mosaic_gpu import state_kernels as sk
 from sympow.attention.mosaic_gpu import state_references as sr
 
@@ -23,7 +24,7 @@ sk.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_refe
 sk.state_to_rows = without("chunks_per_program", "stages")(sr.state_to_rows_reference)
 sk.row_gradients = without("chunks_per_program", "stages")(sr.row_gradients_reference)
 for scales in ("ordinary", "full"):
-    rows = gpu_check.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
+    rows = state_checks.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
     print(scales, [(name, ok) for name, _, _, ok in rows])
 """
 
