@@ -381,17 +381,27 @@ def products_in_halves(ring: Ring, first_step, end, halves: Callable) -> None:
     products run (`products` builds a whole step, then waits for it).
 
     halves(step, slot) waits for the blocks of ring step `step` in its slot and returns two
-    callables, each building its half's products as [(acc_ref, operand, b)] when called.
-    A half runs
-    while the next is built: the step's first half while its second is, and its second
-    while the next step's first is; a step's slot is released once its second half is done
-    (in the next step). At most two halves are in flight, so as many operands are alive
-    as in `products` when the halves are equal: the half built next takes the registers of
-    the half the last wait saw finish. A running half is carried on (through the walk's
-    loop) and past that wait by `lax.optimization_barrier`, so that no value reuses its
+    callables, each building its half's products as [(acc_ref, operand, b)] when called
+    (non-empty halves: an empty one would leave nothing to overlap). A half runs while the
+    next is built: the step's first half while its second is, and its second while the
+    next step's first is. A step's slot is released once its second half is done, in the
+    next step, after that step has waited for its own slot: the ring needs two slots or
+    more. At most two halves are in flight, so as many operands are alive as in
+    `products` when the halves are equal: the half built next takes the registers of the
+    half the last wait saw finish. A running half is carried on (through the walk's loop)
+    and past that wait by `lax.optimization_barrier`, so that no value reuses its
     registers while its products read them (`products`). The first step runs before the
     loop, with nothing in flight before it."""
+    if ring.stages < 2:
+        raise ValueError(f"products_in_halves holds a step's slot into the next step: "
+                         f"it needs a ring of 2 slots or more; got {ring.stages}")
+    if isinstance(first_step, int) and isinstance(end, int) and end <= first_step:
+        raise ValueError(f"products_in_halves walks at least one step; got steps "
+                         f"{first_step} .. {end - 1}")
+
     def issue(half):
+        if not half:
+            raise ValueError("products_in_halves: each half of a step needs a product")
         for acc_ref, operand, b in half:
             plgpu.wgmma(acc_ref, operand, b)
         return [operand for _, operand, _ in half]

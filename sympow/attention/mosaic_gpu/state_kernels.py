@@ -122,6 +122,9 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     overlaps while one program holds an SM, then come once per program, not once per
     chunk). Same sums, same order, whatever the value.
 
+    stages: the ring's slots (2 or more with pipelined; deeper measured the same on an
+    H200, 2026-11-27).
+
     step_barriers: 1, a step's three blocks (xt, col, a) arrive on one barrier, which a
     compute warpgroup checks once a step (they are used together); 3, a barrier each (the
     layout before 2026-11-27, kept to measure against: each check is a round trip, and
@@ -142,6 +145,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     _check_chunks_per_program(chunks_per_program, n)
     if step_barriers not in (1, 3):
         raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
+    _check_stages(stages, pipelined)
     ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
@@ -236,6 +240,12 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
 def _check_chunks_per_program(chunks_per_program: int, n: int) -> None:
     if chunks_per_program < 1 or n % chunks_per_program:
         raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
+
+
+def _check_stages(stages: int, pipelined: bool) -> None:
+    if stages < (2 if pipelined else 1):
+        raise ValueError(f"stages={stages}: a ring needs a slot, and 2 with pipelined=True "
+                         f"(a step's slot is held into the next step)")
 
 
 def check_slots(slots: int, n: int, slot_offset: int) -> None:
@@ -340,7 +350,8 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # where their shared memory fits (E = 64: 202 KiB with the ring and Z's parts).
     sub = 2 if e == min(WIDTHS) and c % (2 * TILE_ROWS) == 0 else 1
     rows_per_wg = sub * ROWS
-    per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their products
+    per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their
+    # products (pipelined: one for each half of them)
     inputs = (rows, col, s, *((x,) if gradient else ()),
               *((normalizer.parts, normalizer.weights) if quadratic else ()))
     own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False)]
@@ -361,6 +372,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(MAX_STAGES, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
+    _check_stages(stages, pipelined)
     # A slot holds per_step blocks S_i: one [per_step D, E] slab, or over the upper blocks
     # (segments) per_step tiles [D, E], each block's rows j >= lo stacked from a tile's row
     # 0, swizzled at 32 bytes for the K = 16 slices, all on one barrier (which takes the

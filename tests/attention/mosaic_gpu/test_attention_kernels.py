@@ -7,6 +7,7 @@ from the dQ partial) and the assembly of its outputs are checked in plain JAX.""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -395,17 +396,12 @@ def test_a_ring_fill_makes_up_a_step_with_fewer_copies_by_plain_arrivals(monkeyp
         crowded.fill(1, lambda step: ([("x", "rows0"), ("y", "rows1")],))
 
 
-def test_products_in_halves_builds_each_half_while_the_other_runs(monkeypatch):
-    """Each step: its first half built and issued, a wait that leaves it running (the last
-    step's second half done), that half kept alive past the wait and its slot released,
-    the second half built and issued, a wait that leaves it running (the first half done),
-    both kept alive past it; after the last step a full wait and its slot released. Every
-    slot is released once, after the products that read it. (The primitives are recorded
-    in place of the kernel's: the bookkeeping is plain Python.)"""
+@pytest.fixture
+def recorded_halves(monkeypatch):
+    """products_in_halves' primitives recorded in place of the kernel's (the bookkeeping
+    is plain Python): (events, ring of 2 slots, halves(step, slot) whose first half is
+    feature 0 and second features 1 and 2, each a product (acc_t, op{step}.{t}, b{slot}))."""
     events = []
-
-    def wait(n):
-        events.append(("wait", n))
 
     def keep(values):
         events.append(("keep", values))
@@ -418,7 +414,8 @@ def test_products_in_halves_builds_each_half_while_the_other_runs(monkeypatch):
 
     fake = types.SimpleNamespace(
         wgmma=lambda acc, operand, b: events.append(("wgmma", acc, operand, b)),
-        wgmma_wait=wait, barrier_arrive=lambda bar: events.append(("release", bar)))
+        wgmma_wait=lambda n: events.append(("wait", n)),
+        barrier_arrive=lambda bar: events.append(("release", bar)))
     monkeypatch.setattr(blocks, "plgpu", fake)
     monkeypatch.setattr(blocks.lax, "rem", lambda a, b: a % b)
     monkeypatch.setattr(blocks.lax, "fori_loop", loop)
@@ -432,30 +429,59 @@ def test_products_in_halves_builds_each_half_while_the_other_runs(monkeypatch):
     def halves(step, slot):
         def half(ts):
             def build():
-                events.append(("build", step, tuple(ts)))
+                events.append(("build", step, ts))
                 return [(f"acc{t}", f"op{step}.{t}", f"b{slot}") for t in ts]
             return build
-        return half((0, 1)), half((2, 3))
+        return half((0,)), half((1, 2))
 
+    return events, ring, halves
+
+
+def _issued(step, ts):
+    return [("build", step, ts)] + [("wgmma", f"acc{t}", f"op{step}.{t}", f"b{step % 2}")
+                                    for t in ts]
+
+
+def _ops(step, ts):
+    return [f"op{step}.{t}" for t in ts]
+
+
+def test_products_in_halves_builds_each_half_while_the_other_runs(recorded_halves):
+    """Each step: its first half built and issued, a wait that leaves it running (so the
+    last step's second half is done: the wait's count is the first half's size), that
+    half kept alive past the wait and its slot released, the second half built and issued,
+    a wait leaving it running (the first half done: the second half's size), both kept
+    alive past it; after the last step a full wait and its slot released. Every slot is
+    released once, after the products that read it; a walk of one step too."""
+    events, ring, halves = recorded_halves
+    first, second = (0,), (1, 2)
     blocks.products_in_halves(ring, 4, 7, halves)
-
-    def issued(step, ts):
-        return [("build", step, ts)] + [("wgmma", f"acc{t}", f"op{step}.{t}",
-                                         f"b{step % 2}") for t in ts]
-
-    def ops(step, ts):
-        return [f"op{step}.{t}" for t in ts]
-
     expected = []
     for step in range(4, 7):
-        expected += issued(step, (0, 1)) + [("wait", 2)]
+        expected += _issued(step, first) + [("wait", 1)]
         if step > 4:
-            expected += [("keep", (ops(step - 1, (2, 3)), ops(step, (0, 1)))),
+            expected += [("keep", (_ops(step - 1, second), _ops(step, first))),
                          ("release", f"freed{(step - 1) % 2}")]
-        expected += issued(step, (2, 3)) + [("wait", 2),
-                                            ("keep", (ops(step, (0, 1)), ops(step, (2, 3))))]
-    expected += [("wait", 0), ("keep", ops(6, (2, 3))), ("release", "freed0")]
+        expected += _issued(step, second) + [("wait", 2),
+                                             ("keep", (_ops(step, first), _ops(step, second)))]
+    expected += [("wait", 0), ("keep", _ops(6, second)), ("release", "freed0")]
     assert events == expected
+    events.clear()
+    blocks.products_in_halves(ring, 3, 4, halves)
+    assert events == (_issued(3, first) + [("wait", 1)] + _issued(3, second)
+                      + [("wait", 2), ("keep", (_ops(3, first), _ops(3, second))),
+                         ("wait", 0), ("keep", _ops(3, second)), ("release", "freed1")])
+
+
+def test_products_in_halves_needs_two_slots_a_step_and_both_halves(recorded_halves):
+    events, ring, halves = recorded_halves
+    with pytest.raises(ValueError, match="at least one step; got steps 4 .. 3"):
+        blocks.products_in_halves(ring, 4, 4, halves)
+    one_slot = dataclasses.replace(ring, arrays=(types.SimpleNamespace(shape=(1,)),))
+    with pytest.raises(ValueError, match="a ring of 2 slots or more; got 1"):
+        blocks.products_in_halves(one_slot, 0, 2, halves)
+    with pytest.raises(ValueError, match="each half of a step needs a product"):
+        blocks.products_in_halves(ring, 0, 2, lambda step, slot: (lambda: [], lambda: []))
 
 
 @pytest.mark.parametrize("groups", [[(0, 1)], [(0, 1), (1, 2)], [(0, 1, 2, 3)], [(0, 1), (),

@@ -177,11 +177,23 @@ def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
 def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
     """rows_to_state walks its steps in halves by default (pipelined=False: whole steps);
     state_to_rows and row_gradients when asked (pipelined=True), over the square blocks or
-    the upper ones; each kernel still lowers to one Mosaic GPU kernel."""
+    the upper ones; each kernel still lowers to one Mosaic GPU kernel. A half is half a
+    step's products: rows_to_state's (E = 64) two of its warpgroup's four features; the
+    square state_to_rows' one of its two blocks S_i against each of its warpgroup's two
+    row blocks; the upper one's blocks of one ring tile, one piece or two each."""
     walks = []
     real = state_kernels.products_in_halves
-    monkeypatch.setattr(state_kernels, "products_in_halves", lambda *args: walks.append(
-        (args[1], args[2])) or real(*args))
+
+    def recording(ring, first_step, end, halves):
+        sizes = []
+        walks.append((first_step, end, sizes))
+
+        def recorded(step, slot):
+            return tuple((lambda build=build: sizes.append(len(build())) or build())
+                         for build in halves(step, slot))
+        return real(ring, first_step, end, recorded)
+
+    monkeypatch.setattr(state_kernels, "products_in_halves", recording)
     b, hq, hk, n, c, e = 1, 2, 2, 2, 256, 64
     x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
     xt, col, s = ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hk, n, D * D, e), BF16)
@@ -197,13 +209,32 @@ def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
             kw = {} if pipelined == default else {"pipelined": pipelined}
             assert lowered(functools.partial(fn, **kw), *shapes).count("@mosaic_gpu") == 1
             assert len(walks) == (1 if pipelined else 0)  # one walk a chunk, traced once
-            if pipelined and steps is not None:
-                assert walks == [(0, steps)]
+            if pipelined:
+                # the peeled first step and the loop's step: two halves of 2 products each
+                assert walks[0][2] == [2, 2, 2, 2]
+                if steps is not None:
+                    assert walks[0][:2] == (0, steps)
     walks.clear()
     lowered(lambda *v: state_kernels.state_to_rows(*v, transposed=False, upper=True,
                                                    packed=True, pipelined=True), x, col, s)
     segments = state_walks.upper_segments(D, packed=True)
-    assert walks == [(seg.first, seg.first + seg.steps) for seg in segments]
+    assert [walk[:2] for walk in walks] == [(seg.first, seg.first + seg.steps)
+                                            for seg in segments]
+    # per half: per_tile blocks, each its pieces (2 below the last 16 rows i, then 1) for
+    # both row blocks
+    assert [walk[2] for walk in walks] == [[4] * 4, [4] * 4, [8] * 4, [8] * 4]
+
+
+def test_the_kernels_in_halves_need_two_ring_slots():
+    zeros = [jnp.zeros(shape, BF16) for shape in ((1, 2, 1, D, 128), (1, 2, 1, D, 128),
+                                                   (1, 2, 1, 128, 64))]
+    with pytest.raises(ValueError, match="stages=1: a ring needs a slot, and 2 with "
+                                         "pipelined=True"):
+        state_kernels.rows_to_state(*zeros, kv_heads=2, stages=1)
+    x, s = jnp.zeros((1, 2, 1, 128, D), BF16), jnp.zeros((1, 2, 1, D * D, 64), BF16)
+    with pytest.raises(ValueError, match="stages=1"):
+        state_kernels.state_to_rows(x, zeros[1], s, transposed=False, stages=1,
+                                    pipelined=True)
 
 
 @pytest.mark.parametrize("gradient", [False, True])
