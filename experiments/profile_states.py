@@ -112,6 +112,7 @@ def kernel_variants(options: list[str]):
     import jax.numpy as jnp
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
+    from sympow.attention.mosaic_gpu import state_sums as ss
     from sympow.attention.mosaic_gpu import states
 
     d = e = sk.DIM
@@ -121,7 +122,7 @@ def kernel_variants(options: list[str]):
     s, cols = ((1, h, n, d * d, e), bf16), ((1, h, n, d, c), col)
     parts, weights = ((1, h, n, 3 * d, d), bf16), ((1, h, n, c), jnp.float32)
     kernels = {  # name: (kernel, fn(*args, **options), argument specs, (rows, col) indices)
-        "rows_to_state": (sk.rows_to_state, lambda *z, **kw: sk.rows_to_state(
+        "rows_to_state": (ss.rows_to_state, lambda *z, **kw: ss.rows_to_state(
             *z, kv_heads=h, **kw), (xt, cols, a), (0, 1)),
         "state_to_rows": (sk.state_to_rows, lambda *z, **kw: sk.state_to_rows(
             *z, transposed=False, **kw), (x, cols, s), (0, 1)),

@@ -21,13 +21,19 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     y from the slots, each again with the short blocks packed (`packed`), and again with
     each step's blocks in two halves (`pipelined`: the tier's y and da; `_halves`); the
     square y and row_gradients in halves; rows_to_state issuing whole steps
-    (`pipelined=False`; its default issues halves)."""
+    (`pipelined=False`; its default issues halves); then the state stored in the upper
+    layout (`state_walks.upper_shapes`): rows_to_state writing it, state_to_rows reading
+    it over the upper blocks as the tier does (y, y and den with the normalizer) and over
+    whole blocks (their lower rows from the mirrors: y, g), row_gradients (dx, dls with
+    the normalizer), each against its definition on the same stored entries
+    (`_stored_upper`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from sympow.attention.mosaic_gpu import state_kernels as sk
     from sympow.attention.mosaic_gpu import state_references as sr
+    from sympow.attention.mosaic_gpu import state_sums as ss
     from sympow.attention.mosaic_gpu.states import columns, z_parts
 
     d = sk.DIM
@@ -48,7 +54,8 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     def run(xt, col, a, x, s, z, weights):
         norm = sk.Normalizer(z_parts(z), weights)
         slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
-        return [(sk.rows_to_state(xt, col, a, kv_heads=hk),
+        stored = sr.upper_arrays(slotted)
+        return [(ss.rows_to_state(xt, col, a, kv_heads=hk),
                  sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
                 (sk.state_to_rows(x, col, s, transposed=False),
                  sr.state_to_rows_reference(x, col, s, transposed=False)),
@@ -61,9 +68,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                      strict=True),
                 *zip(sk.row_gradients(a, x, col, s, normalizer=norm),
                      sr.row_gradients_reference(a, x, col, s, normalizer=norm), strict=True),
-                (sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
+                (ss.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1)[:, :, 1:],
                  sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
-                *((sk.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
+                *((ss.rows_to_state(xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1,
                                     chunks_per_program=k)[:, :, 1:],
                    sr.rows_to_state_reference(xt, col, a, kv_heads=hk)) for k in (n, 1)),
                 *((sk.state_to_rows(x, col, slotted, transposed=False, slot_offset=1,
@@ -102,17 +109,43 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                  sr.state_to_rows_reference(x, col, s, transposed=False)),
                 *zip(sk.row_gradients(a, x, col, s, pipelined=True),
                      sr.row_gradients_reference(a, x, col, s), strict=True),
-                (sk.rows_to_state(xt, col, a, kv_heads=hk, pipelined=False),
-                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk))]
+                (ss.rows_to_state(xt, col, a, kv_heads=hk, pipelined=False),
+                 sr.rows_to_state_reference(xt, col, a, kv_heads=hk)),
+                # the state stored in the upper layout (slot 0 NaN, as above), written and
+                # read: y as the tier takes it, the whole blocks with their mirrors
+                (tuple(u[:, :, 1:] for u in ss.rows_to_state(
+                    xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1, upper=True)),
+                 sr.upper_arrays(s)),
+                (sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1, **tier),
+                 sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
+                                            upper=True)),
+                *zip(sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1,
+                                      normalizer=norm, **tier),
+                     sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
+                                                normalizer=norm, upper=True), strict=True),
+                (sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1),
+                 sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1)),
+                (sk.state_to_rows(a, col, stored, transposed=True, slot_offset=1),
+                 sr.state_to_rows_reference(a, col, stored, transposed=True, slot_offset=1)),
+                *zip(sk.row_gradients(a, x, col, stored, slot_offset=1, normalizer=norm),
+                     sr.row_gradients_reference(a, x, col, stored, slot_offset=1,
+                                                normalizer=norm), strict=True)]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
              "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
-             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps")
+             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
+             "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
+             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper")
+
+    def flat(value):  # an output or a tuple of them (the upper layout) as one float64 vector
+        return np.concatenate([np.ravel(np.asarray(v, np.float64))
+                               for v in jax.tree.leaves(value)])
+
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        got, want = flat(got), flat(want)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
         # den: float32-accurate products of the bf16 rows with Z's parts

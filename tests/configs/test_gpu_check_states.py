@@ -13,6 +13,7 @@ sys.path.insert(0, "experiments")
 import numpy as np
 import state_checks
 from sympow.attention.mosaic_gpu import state_kernels as sk
+from sympow.attention.mosaic_gpu import state_sums as ss
 from sympow.attention.mosaic_gpu import state_references as sr
 
 def without(*names):
@@ -20,7 +21,7 @@ def without(*names):
         return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k not in names})
     return wrap
 
-sk.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_reference)
+ss.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_reference)
 sk.state_to_rows = without("chunks_per_program", "stages")(sr.state_to_rows_reference)
 sk.row_gradients = without("chunks_per_program", "stages")(sr.row_gradients_reference)
 for scales in ("ordinary", "full"):
@@ -36,6 +37,8 @@ def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
              "S_one", "y_slots", "y_chunks", "dx_slots", "dx_chunks", "y_upper", "y_z_upper",
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
-             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps"]
+             "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
+             "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
+             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper"]
     for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
         assert line == f"{scales} {[(name, True) for name in names]}", line

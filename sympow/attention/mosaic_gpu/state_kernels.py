@@ -7,8 +7,9 @@ product with phi is a sum over i of plain matrix products whose register A opera
 block scaled by one column of u, built where the wgmma wants it (no phi tile, no
 selection products):
 
-* `rows_to_state`:  S_i = sum_r u_ri u_r a_r^T = sum_r (x^T diag(col_i))[:, r] a_r
-  (rows -> state: the update_state forward, a state's cotangent);
+* `rows_to_state` (in `state_sums`):  S_i = sum_r u_ri u_r a_r^T
+  = sum_r (x^T diag(col_i))[:, r] a_r (rows -> state: the update_state forward, a state's
+  cotangent);
 * `state_to_rows`:  y_r = sum_i col_ir (x_r S_i)        = phi(u_r) S          (state -> rows)
   and, transposed, g_r = sum_j col_jr (a_r S_j^T)      (half the row gradient of phi(u) . S a);
 * `row_gradients`: the transposed product as the backward uses it, dx = 2 g in bf16 and
@@ -38,7 +39,11 @@ Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `R
 A step's register operands are built before their products are issued: all of the step's
 (`blocks.products`), or with `pipelined` (rows_to_state's default, the tier's upper
 state_to_rows) one half of them while the other half's products run
-(`blocks.products_in_halves`). The ring's walk over a state is `state_walks`.
+(`blocks.products_in_halves`). The ring's walk over a state is `state_walks`, and so is
+the upper layout a state may be stored in (`state_walks.upper_shapes`: the rows j >= 16
+(i // 16) of each S_i, 62.5 % of the bytes), which rows_to_state writes with `upper` and
+state_to_rows and row_gradients read when s is a tuple (built 2026-11-27, not yet run on
+a GPU; the tier stores the square layout).
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array
 
 from sympow.attention.mosaic_gpu.blocks import (
-    COL_VECTOR,
     COMPUTE_REGISTERS,
     COMPUTE_WGS,
     MEMORY_REGISTERS,
@@ -65,7 +69,6 @@ from sympow.attention.mosaic_gpu.blocks import (
     WGMMA,
     WIDTHS,
     Ring,
-    by_cols,
     by_rows,
     launch,
     load_own,
@@ -76,173 +79,36 @@ from sympow.attention.mosaic_gpu.blocks import (
     tile,
 )
 from sympow.attention.mosaic_gpu.state_walks import (
+    BLOCK,
     BLOCKS_PER_STEP,
     UpperSegment,
     upper_pieces,
     upper_segments,
+    upper_shapes,
+    whole_block_pieces,
 )
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 DIM = WIDTHS[0]  # d of the square layout: F = DIM^2 features
-ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 # Shared memory a state_to_rows program may fill: the H100's 227 KiB a block, less 4 KiB for
 # barriers and alignment (a kernel that asked for 3 slots was 2.1 KiB over its blocks' sum).
 SHARED_MEMORY = (227 - 4) * 1024
 # Measured on an H200 (2026-11-27, profile_states.py): state_to_rows and row_gradients wait
 # on their ring (2 -> 3 -> 5 slots: 0.73 -> 0.63 -> 0.59 ms a call), so they take as many
-# slots as fit, up to MAX_STAGES (4 with the normalizer's parts); rows_to_state's 8-step
-# chunks pay a program's fixed cost less often over 4 chunks (0.82 -> 0.78 ms).
+# slots as fit, up to MAX_STAGES (4 with the normalizer's parts).
 MAX_STAGES = 5
-CHUNKS_PER_PROGRAM = 4
 
 
 def _bytes(shape, dtype) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def features_per_warpgroup(e: int) -> int:
-    """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
-    return ACC_COLUMNS // e
-
-
-def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
-                  slot_offset: int = 0, chunks_per_program: int | None = None,
-                  step_barriers: int = 1, pipelined: bool = True):
-    """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
-    S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
-    col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
-
-    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
-    a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
-    of TILE_ROWS, D = DIM.
-
-    chunks_per_program (dividing N; None: gcd(N, CHUNKS_PER_PROGRAM)): consecutive chunks
-    one program sums, one after the other, its ring running on into the next chunk while the
-    last one's states are stored (a program's first copies and last stores, which nothing
-    overlaps while one program holds an SM, then come once per program, not once per
-    chunk). Same sums, same order, whatever the value.
-
-    stages: the ring's slots (2 or more with pipelined; deeper measured the same on an
-    H200, 2026-11-27).
-
-    step_barriers: 1, a step's three blocks (xt, col, a) arrive on one barrier, which a
-    compute warpgroup checks once a step (they are used together); 3, a barrier each (the
-    layout before 2026-11-27, kept to measure against: each check is a round trip, and
-    the three held ~10 % of the kernel's warp samples, ncu, H200).
-
-    pipelined (the default): a warpgroup issues a step's products in two halves of its
-    features and builds each half's operands while the other half's products run
-    (`blocks.products_in_halves`); False builds all of them and then waits for all
-    (`products`: the layout before 2026-11-27's sixteenth session, 4 % slower on an H200).
-    Same sums, same order.
-    """
-    b, hx, n, d, c = xt.shape
-    e = a.shape[-1]
-    slots = n if slots is None else slots
-    check_slots(slots, n, slot_offset)
-    if chunks_per_program is None:
-        chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
-    _check_chunks_per_program(chunks_per_program, n)
-    if step_barriers not in (1, 3):
-        raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
-    _check_stages(stages, pipelined)
-    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
-    per_wg = features_per_warpgroup(e)
-    per_program = COMPUTE_WGS * per_wg
-    groups, row_blocks = hx // kv_heads, c // ROWS
-    steps = groups * row_blocks
-
-    def kernel(xt_ref, col_ref, a_ref, s_ref, ring_arrays, ring_loaded, ring_freed, out):
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
-        bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
-        bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
-        chunk0 = lax.axis_index("chunk") * chunks_per_program  # this program's first chunk
-        first = lax.axis_index("features") * per_program  # this program's first i
-
-        @pl.when(wg < COMPUTE_WGS)
-        def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-
-            def step_blocks(slot):
-                """A step's operand builder (the warpgroup's features t -> their operands
-                xt diag(col_i), i its t-th feature) and its a block, once the blocks in its
-                ring slot have landed."""
-                # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
-                xt_smem, col_rows, a_smem = ring.wait_all(slot)
-                xt_block = plgpu.load(xt_smem, (), layout=WGMMA)
-
-                def operands(features):
-                    scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
-                              for t in features]
-                    return [xt_block * by_cols(x.astype(BF16)) for x in scales]
-                return operands, a_smem
-
-            def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
-                def visit(step, _):
-                    slot = ring.slot(step)
-                    operands, a_smem = step_blocks(slot)
-                    products(acc_refs, operands(range(per_wg)), [a_smem] * per_wg)
-                    ring.release(slot)
-
-                def halves(step, slot):  # the warpgroup's features in two halves
-                    operands, a_smem = step_blocks(slot)
-
-                    def half(ts):
-                        return lambda: [(acc_refs[t], operand, a_smem) for t, operand in
-                                        zip(ts, operands(ts), strict=True)]
-                    return half(range(per_wg // 2)), half(range(per_wg // 2, per_wg))
-
-                if pipelined:
-                    products_in_halves(ring, k * steps, (k + 1) * steps, halves)
-                else:
-                    lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
-                return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-            def sum_and_store(k, _=None):
-                accs = pl.run_scoped(functools.partial(accumulate_all, k),
-                                     *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
-                for t, acc in enumerate(accs):
-                    out.at[wg, t][...] = acc.astype(BF16)
-                plgpu.commit_smem()
-                for t in range(per_wg):
-                    i = first + wg * per_wg + t
-                    plgpu.copy_smem_to_gmem(out.at[wg, t], s_ref.at[
-                        bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
-
-            lax.fori_loop(0, chunks_per_program, sum_and_store, None)
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == COMPUTE_WGS)
-        def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-            def sources(step):
-                chunk, step_in_chunk = chunk0 + lax.div(step, steps), lax.rem(step, steps)
-                h = hk * groups + lax.div(step_in_chunk, row_blocks)
-                rows = pl.ds(lax.rem(step_in_chunk, row_blocks) * ROWS, ROWS)
-                return (xt_ref.at[bi, h, chunk, :, rows],
-                        col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
-                        a_ref.at[bi, h, chunk, rows])
-
-            ring.fill(chunks_per_program * steps, sources)
-
-    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages,
-                        ring_groups)
-    return launch(
-        kernel, name="sympow_states_rows_to_state",
-        out_type=jax.ShapeDtypeStruct((b, kv_heads, slots, d * d, e), BF16),
-        scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
-        grid=(n // chunks_per_program, b * kv_heads, d // per_program),
-        grid_names=("chunk", "bh", "features"), args=(xt, col, a))
-
-
-def _check_chunks_per_program(chunks_per_program: int, n: int) -> None:
+def check_chunks_per_program(chunks_per_program: int, n: int) -> None:
     if chunks_per_program < 1 or n % chunks_per_program:
         raise ValueError(f"chunks_per_program={chunks_per_program} must divide the {n} chunks")
 
 
-def _check_stages(stages: int, pipelined: bool) -> None:
+def check_stages(stages: int, pipelined: bool) -> None:
     if stages < (2 if pipelined else 1):
         raise ValueError(f"stages={stages}: a ring needs a slot, and 2 with pipelined=True "
                          f"(a step's slot is held into the next step)")
@@ -337,11 +203,19 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
-    hk, e = s.shape[1], s.shape[-1]
-    check_slots(s.shape[2], n, slot_offset)
+    arrays = s if isinstance(s, tuple) else (s,)  # the upper layout: one array per group
+    hk, slots, e = arrays[0].shape[1], arrays[0].shape[2], arrays[0].shape[-1]
+    check_slots(slots, n, slot_offset)
+    stored_upper = isinstance(s, tuple)
+    if stored_upper and [a.shape for a in s] != upper_shapes((b, hk, slots), d, e):
+        raise ValueError(f"s in the upper layout: {upper_shapes((b, hk, slots), d, e)}; got "
+                         f"{[a.shape for a in s]}")
+    if stored_upper and chunks_per_program > 1:
+        raise ValueError(f"chunks_per_program={chunks_per_program}: s in the upper layout is "
+                         f"read one chunk a program")
     groups, width = hx // hk, d if transposed else e
     gradient, quadratic = x is not None, normalizer is not None
-    _check_chunks_per_program(chunks_per_program, n)
+    check_chunks_per_program(chunks_per_program, n)
     if chunks_per_program > 1 and quadratic:
         raise ValueError(f"chunks_per_program={chunks_per_program}: a program takes one chunk "
                          f"with a normalizer (Z's parts are one chunk's)")
@@ -352,7 +226,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     rows_per_wg = sub * ROWS
     per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their
     # products (pipelined: one for each half of them)
-    inputs = (rows, col, s, *((x,) if gradient else ()),
+    inputs = (rows, col, *arrays, *((x,) if gradient else ()),
               *((normalizer.parts, normalizer.weights) if quadratic else ()))
     own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False)]
     own_specs += [((rows_per_wg, d), BF16, True)] if gradient else []
@@ -372,7 +246,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     # Z's parts.
     fixed = sum(_bytes(buf.shape, buf.dtype) for buf in (*own, *out_scratch, *parts_scratch[:1]))
     stages = stages or min(MAX_STAGES, (SHARED_MEMORY - fixed) // _bytes((per_step * d, e), BF16))
-    _check_stages(stages, pipelined)
+    check_stages(stages, pipelined)
     # A slot holds per_step blocks S_i: one [per_step D, E] slab, or over the upper blocks
     # (segments) per_step tiles [D, E], each block's rows j >= lo stacked from a tile's row
     # 0, swizzled at 32 bytes for the K = 16 slices, all on one barrier (which takes the
@@ -381,12 +255,17 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     ring_specs, ring_groups = (([tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
                                if upper else ([((per_step * d, e), BF16, True)], None))
     ring_arrivals = [max(seg.blocks for seg in segments)] if upper else None
+    if stored_upper and not upper:  # a block S_j: its held rows and a box per mirror group
+        ring_arrivals = [per_step * len(arrays)]
 
     def kernel(*refs):
         refs = list(refs)
-        rows_ref, col_ref, s_ref = refs[:3]
-        x_ref = refs[3] if gradient else None
-        parts_ref, weights_ref = refs[3 + gradient:5 + gradient] if quadratic else (None, None)
+        rows_ref, col_ref = refs[:2]
+        s_refs, refs_after = refs[2:2 + len(arrays)], refs[2 + len(arrays):]
+        s_ref = s_refs[0]
+        x_ref = refs_after[0] if gradient else None
+        parts_ref, weights_ref = (refs_after[gradient:2 + gradient] if quadratic
+                                  else (None, None))
         out_refs = refs[len(inputs):len(inputs) + len(out_type)]
         own, own_bars, ring_arrays, ring_loaded, ring_freed, *rest = refs[
             len(inputs) + len(out_type):]
@@ -515,13 +394,35 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     pieces = [[] for _ in range(per_step)]
                     for u in range(seg.blocks):
                         i, t, row = seg.place(step, u, d)
-                        pieces[t].append((s_ref.at[bi, kv, chunk + slot_offset, pl.ds(
-                            i * d + seg.lo, d - seg.lo)], pl.ds(row, d - seg.lo)))
+                        source = (s_refs[seg.lo // BLOCK].at[bi, kv, chunk + slot_offset,
+                                                             i - seg.lo]
+                                  if stored_upper else s_ref.at[bi, kv, chunk + slot_offset,
+                                                                pl.ds(i * d + seg.lo, d - seg.lo)])
+                        pieces[t].append((source, pl.ds(row, d - seg.lo)))
                     return tuple(pieces)
 
                 for seg in segments:
                     ring.fill(seg.first + seg.steps,
                               functools.partial(upper_sources, seg=seg), start=seg.first)
+            elif stored_upper:  # whole blocks S_j from the upper layout: their held rows
+                # and, per group below theirs, the mirrors S_i[j] as one box
+                def whole_sources(step, group):
+                    slot, pieces = chunk + slot_offset, []
+                    for u in range(per_step):
+                        j = step * per_step + u  # traced; its group is the segment's
+                        for piece in whole_block_pieces(BLOCK * group, d):
+                            at = j - BLOCK * piece.group
+                            src = s_refs[piece.group].at[
+                                (bi, kv, slot, slice(None), at) if piece.mirror
+                                else (bi, kv, slot, at)]
+                            pieces.append((src, pl.ds(u * d + piece.first, piece.rows)))
+                    return (pieces,)
+
+                per_group = BLOCK // per_step  # steps whose blocks S_j share j's group
+                for group in range(len(arrays)):
+                    ring.fill(per_group * (group + 1),
+                              functools.partial(whole_sources, group=group),
+                              start=per_group * group)
             else:
                 ring.fill(steps, lambda step: (s_ref.at[
                     bi, kv, chunk + slot_offset, pl.ds(step * per_step * d, per_step * d)],))

@@ -19,13 +19,14 @@ from sympow.attention.mosaic_gpu.state_kernels import (
     Normalizer,
     check_slots,
 )
-from sympow.attention.mosaic_gpu.state_walks import BLOCK
+from sympow.attention.mosaic_gpu.state_walks import BLOCK, upper_rows
 
 
 def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
-                            slot_offset: int = 0, pipelined: bool = True):
+                            slot_offset: int = 0, pipelined: bool = True, upper: bool = False):
     """The slots no chunk maps to hold NaN: what reads them shows. pipelined (the order
-    the kernel issues its products in): taken and unused."""
+    the kernel issues its products in): taken and unused. upper: the state in the upper
+    layout (`upper_arrays`)."""
     del pipelined
     b, hx, n, d, c = xt.shape
     slots = n if slots is None else slots
@@ -36,7 +37,8 @@ def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = No
                    grouped(a.astype(F32)), precision=lax.Precision.HIGHEST)
     s = s.reshape(b, kv_heads, n, d * d, a.shape[-1]).astype(BF16)
     unwritten = jnp.full((b, kv_heads, slots, d * d, a.shape[-1]), jnp.nan, BF16)
-    return unwritten.at[:, :, slot_offset:slot_offset + n].set(s)
+    s = unwritten.at[:, :, slot_offset:slot_offset + n].set(s)
+    return upper_arrays(s) if upper else s
 
 
 def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = None,
@@ -53,8 +55,10 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
                             normalizer: Normalizer | None = None, slot_offset: int = 0,
                             upper: bool = False, packed: bool = False, pipelined: bool = False):
     """packed and pipelined change the kernel's ring walk and the order it issues its
-    products in, not its sum: taken and unused here."""
+    products in, not its sum: taken and unused here. s: square, or a tuple in the upper
+    layout (`upper_arrays`)."""
     del packed, pipelined
+    s = square_of_upper(s) if isinstance(s, tuple) else s
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     check_slots(s.shape[2], n, slot_offset)
@@ -88,3 +92,25 @@ def quadratic_product_reference(x, normalizer: Normalizer):
     z = parts.reshape(b, hk, n, 3, d, d).sum(axis=3)
     z = jnp.repeat(z, x.shape[1] // hk, axis=1)
     return jnp.einsum("bhnci,bhnij->bhncj", x.astype(F32), z, precision=lax.Precision.HIGHEST)
+
+
+def upper_arrays(s) -> tuple:
+    """A state [..., D^2, E] in the upper layout (`state_walks.upper_shapes`): per 16-row
+    group b of i, [..., BLOCK, D - 16 b, E] with S[(i, j)], j >= 16 b."""
+    square = s.reshape(*s.shape[:-2], DIM, DIM, s.shape[-1])
+    return tuple(square[..., lo:lo + BLOCK, lo:, :] for lo in range(0, DIM, BLOCK))
+
+
+def square_of_upper(arrays) -> jnp.ndarray:
+    """The square state [..., D^2, E] of one in the upper layout: S[(i, j)] from the group
+    of i where j >= 16 (i // 16), else its mirror S[(j, i)] from the group of j."""
+    rows = []
+    for i in range(DIM):
+        group, lo = i // BLOCK, BLOCK * (i // BLOCK)
+        mirrors = [arrays[j // BLOCK][..., j % BLOCK, i - BLOCK * (j // BLOCK), :]
+                   for j in range(lo)]  # [..., E] each: S[(j, i)] for j < lo
+        held = arrays[group][..., i % BLOCK, :upper_rows(group, DIM), :]  # [..., D - lo, E]
+        rows.append(jnp.concatenate([jnp.stack(mirrors, axis=-2), held], axis=-2)
+                    if mirrors else held)
+    square = jnp.stack(rows, axis=-3)  # [..., D, D, E]
+    return square.reshape(*square.shape[:-3], DIM * DIM, square.shape[-1])

@@ -56,3 +56,37 @@ def upper_segments(d: int, packed: bool) -> list[UpperSegment]:
         segments.append(UpperSegment(lo, per_tile, first, steps))
         first += steps
     return segments
+
+
+def upper_rows(group: int, d: int) -> int:
+    """Rows j an S_i of the 16-row group `group` (i // BLOCK) keeps in the upper layout."""
+    return d - BLOCK * group
+
+
+def upper_shapes(lead: tuple[int, ...], d: int, e: int) -> list[tuple[int, ...]]:
+    """The upper layout of a symmetric state [*lead, D^2, E]: one array per 16 rows i,
+    [*lead, BLOCK, D - 16 b, E] for b = i // BLOCK, holding S[(i, j)] for j >= 16 b (62.5 %
+    of the square bytes at D = 64). Every other entry is the mirror of a held one, which a
+    reader of whole blocks S_j takes from array b' < j // BLOCK at [..., :, j - 16 b', :]:
+    a box of BLOCK rows (`state_references.square_of_upper`)."""
+    return [(*lead, BLOCK, upper_rows(group, d), e) for group in range(d // BLOCK)]
+
+
+class BlockPiece(NamedTuple):
+    """Rows [first, first + rows) of a whole block S_j read from the upper layout: from
+    array `group` at index j - 16 group (its held rows i >= 16 (j // 16): `mirror`
+    False), or as the mirrors S_i[j] of the rows i of a lower group, the box [:, j - 16
+    group] of that group's array (`mirror` True)."""
+
+    group: int
+    mirror: bool
+    first: int
+    rows: int
+
+
+def whole_block_pieces(j: int, d: int) -> list[BlockPiece]:
+    """The pieces that fill a whole block S_j [D, E] from the upper layout: its held rows,
+    then one box of BLOCK mirrored rows per group below j's."""
+    group = j // BLOCK
+    return [BlockPiece(group, False, BLOCK * group, upper_rows(group, d))] + [
+        BlockPiece(below, True, BLOCK * below, BLOCK) for below in range(group)]

@@ -40,7 +40,7 @@ from jax import lax
 
 from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, state_kernels, vjps
+from sympow.attention.mosaic_gpu import blocks, state_kernels, state_sums, vjps
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
@@ -125,7 +125,7 @@ def state_of_rows(x, ls, a, kv_heads: int):
 
 def _state_of_rows_fwd(x, ls, a, kv_heads):
     n = x.shape[2]
-    s = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
+    s = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
                                     kv_heads=kv_heads, slots=n + 1, slot_offset=1)
     z = jnp.pad(_weighted_gram(x, jnp.exp(P * ls), kv_heads), ((0, 0), (0, 0), (1, 0), (0, 0)))
     return (s, z), (x, ls, a)
@@ -170,7 +170,7 @@ def _rows_of_state_bwd(res, cotangents):
     dy, dden = cotangents
     dy = dy.astype(BF16)
     col, kv_heads, slots = columns(x, ls), s.shape[1], s.shape[2]
-    ds = state_kernels.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
+    ds = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
                                      slots=slots)
     weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
     dx, dls = state_kernels.row_gradients(

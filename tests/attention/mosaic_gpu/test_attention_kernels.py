@@ -504,10 +504,10 @@ def test_programs_that_read_the_same_blocks_are_neighbours_on_the_grid(monkeypat
     their streamed blocks: a chunk's tiles in the attention kernels, a state's feature
     groups in rows_to_state, a chunk's row tiles in state_to_rows; then the heads (a GQA
     group's heads share k and v, or the state), then the chunks."""
-    from sympow.attention.mosaic_gpu import state_kernels
+    from sympow.attention.mosaic_gpu import state_kernels, state_sums
 
     grids = {}
-    for module in (attention_kernels, backward_kernel, state_kernels):
+    for module in (attention_kernels, backward_kernel, state_kernels, state_sums):
         real = module.launch
         monkeypatch.setattr(module, "launch", lambda *a, real=real, **kw: grids.__setitem__(
             kw["name"], list(zip(kw["grid_names"], kw["grid"], strict=True))) or real(*a, **kw))
@@ -517,7 +517,7 @@ def test_programs_that_read_the_same_blocks_are_neighbours_on_the_grid(monkeypat
     lowered(lambda *x: attention_kernels.attention_fwd(*x, p=2), *shapes)
     lowered(lambda *x: backward_kernel.attention_bwd(*x, p=2), *shapes, ((b, hq, n, c), f32),
             ((b, hq, n, c), f32), (wide(b, hq, n, c, e, False), bf16), ((b, hq, n, c), f32))
-    lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk, chunks_per_program=1),
+    lowered(lambda *x: state_sums.rows_to_state(*x, kv_heads=hk, chunks_per_program=1),
             ((b, hq, n, d, c), bf16), ((b, hq, n, d, c), bf16), ((b, hq, n, c, e), bf16))
     lowered(lambda *x: state_kernels.state_to_rows(*x, transposed=False),
             ((b, hq, n, c, d), bf16), ((b, hq, n, d, c), bf16), ((b, hk, n, d * d, e), bf16))

@@ -26,6 +26,7 @@ from sympow.attention.mosaic_gpu import (
     blocks,
     state_kernels,
     state_references,
+    state_sums,
     state_walks,
     states,
     vjps,
@@ -49,7 +50,7 @@ def phi(u):
 @pytest.fixture
 def definitions(monkeypatch):
     """The kernels' definitions in their place, and every problem taken as supported."""
-    monkeypatch.setattr(state_kernels, "rows_to_state", state_references.rows_to_state_reference)
+    monkeypatch.setattr(state_sums, "rows_to_state", state_references.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "state_to_rows", state_references.state_to_rows_reference)
     monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
     monkeypatch.setattr(states, "unsupported", lambda *_: None)
@@ -59,7 +60,7 @@ def definitions(monkeypatch):
                                                         (2, 2, 64, F32)])
 def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e, col_dtype):
     b, n, c = 1, 2, 256
-    rows = lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk),
+    rows = lowered(lambda *x: state_sums.rows_to_state(*x, kv_heads=hk),
                    ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), col_dtype),
                    ((b, hq, n, c, e), BF16))
     assert rows.count("@mosaic_gpu") == 1
@@ -95,7 +96,7 @@ def test_the_kernels_take_states_in_slots():
     """rows_to_state writes chunk n at slot n + slot_offset of `slots`; state_to_rows and
     row_gradients read it there; a slot count that cannot hold the chunks is refused."""
     b, hq, hk, n, c, e = 1, 2, 2, 2, 256, 64
-    text = lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=hk, slots=n + 1,
+    text = lowered(lambda *x: state_sums.rows_to_state(*x, kv_heads=hk, slots=n + 1,
                                                           slot_offset=1),
                    ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
     assert text.count("@mosaic_gpu") == 1
@@ -121,9 +122,9 @@ def test_the_kernels_take_states_in_slots():
 def launch_grids(monkeypatch):
     """The grid of every state kernel launched (lowered) while the test runs, in order."""
     grids = []
-    real_launch = state_kernels.launch
-    monkeypatch.setattr(state_kernels, "launch",
-                        lambda *a, **kw: grids.append(kw["grid"]) or real_launch(*a, **kw))
+    for module in (state_kernels, state_sums):
+        monkeypatch.setattr(module, "launch", lambda *a, real=module.launch, **kw: grids.append(
+            kw["grid"]) or real(*a, **kw))
     return grids
 
 
@@ -135,7 +136,7 @@ def test_rows_to_state_sums_several_chunks_a_program_when_asked(launch_grids):
     b, hq, hk, n, c, e = 1, 2, 2, 4, 256, 64
     shapes = (((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
     for per_program, chunk_axis in ((1, n), (2, n // 2), (4, 1)):
-        text = lowered(lambda *x, k=per_program: state_kernels.rows_to_state(
+        text = lowered(lambda *x, k=per_program: state_sums.rows_to_state(
             *x, kv_heads=hk, slots=n + 1, slot_offset=1, chunks_per_program=k), *shapes)
         assert text.count("@mosaic_gpu") == 1
         assert f"tensor<{b}x{hk}x{n + 1}x{D * D}x{e}xbf16>" in text
@@ -143,7 +144,7 @@ def test_rows_to_state_sums_several_chunks_a_program_when_asked(launch_grids):
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
     for bad in (0, 3):
         with pytest.raises(ValueError, match=f"chunks_per_program={bad} must divide the 4"):
-            state_kernels.rows_to_state(*zeros, kv_heads=hk, chunks_per_program=bad)
+            state_sums.rows_to_state(*zeros, kv_heads=hk, chunks_per_program=bad)
 
 
 def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(launch_grids):
@@ -151,7 +152,7 @@ def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(launch_grids
     allows, else 2, else 1 (an odd N: one a program, as before)."""
     for n, chunk_axis in ((8, 2), (6, 3), (3, 3)):
         shapes = (((1, 2, n, D, 128), BF16), ((1, 2, n, D, 128), BF16), ((1, 2, n, 128, 64), BF16))
-        lowered(lambda *x: state_kernels.rows_to_state(*x, kv_heads=2), *shapes)
+        lowered(lambda *x: state_sums.rows_to_state(*x, kv_heads=2), *shapes)
         assert launch_grids[-1][0] == chunk_axis
 
 
@@ -165,13 +166,13 @@ def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
         or real_scratch(specs, stages, ring_groups)))
     shapes = (((1, 2, 2, D, 256), BF16), ((1, 2, 2, D, 256), BF16), ((1, 2, 2, 256, 64), BF16))
     for step_barriers, expected in ((1, [(0, 1, 2)]), (3, None)):
-        text = lowered(lambda *x, k=step_barriers: state_kernels.rows_to_state(
+        text = lowered(lambda *x, k=step_barriers: state_sums.rows_to_state(
             *x, kv_heads=2, step_barriers=k), *shapes)
         assert text.count("@mosaic_gpu") == 1
         assert groups[-1] == expected
     zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
     with pytest.raises(ValueError, match="step_barriers=2: 1"):
-        state_kernels.rows_to_state(*zeros, kv_heads=2, step_barriers=2)
+        state_sums.rows_to_state(*zeros, kv_heads=2, step_barriers=2)
 
 
 def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
@@ -193,11 +194,12 @@ def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
                          for build in halves(step, slot))
         return real(ring, first_step, end, recorded)
 
-    monkeypatch.setattr(state_kernels, "products_in_halves", recording)
+    for module in (state_kernels, state_sums):
+        monkeypatch.setattr(module, "products_in_halves", recording)
     b, hq, hk, n, c, e = 1, 2, 2, 2, 256, 64
     x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
     xt, col, s = ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hk, n, D * D, e), BF16)
-    runs = [(lambda *v, **kw: state_kernels.rows_to_state(*v, kv_heads=hk, **kw), (xt, col, a)),
+    runs = [(lambda *v, **kw: state_sums.rows_to_state(*v, kv_heads=hk, **kw), (xt, col, a)),
             (lambda *v, **kw: state_kernels.state_to_rows(*v, transposed=False, **kw),
              (x, col, s)),
             (state_kernels.row_gradients, (a, x, col, s))]
@@ -230,7 +232,7 @@ def test_the_kernels_in_halves_need_two_ring_slots():
                                                    (1, 2, 1, 128, 64))]
     with pytest.raises(ValueError, match="stages=1: a ring needs a slot, and 2 with "
                                          "pipelined=True"):
-        state_kernels.rows_to_state(*zeros, kv_heads=2, stages=1)
+        state_sums.rows_to_state(*zeros, kv_heads=2, stages=1)
     x, s = jnp.zeros((1, 2, 1, 128, D), BF16), jnp.zeros((1, 2, 1, D * D, 64), BF16)
     with pytest.raises(ValueError, match="stages=1"):
         state_kernels.state_to_rows(x, zeros[1], s, transposed=False, stages=1,
@@ -407,7 +409,7 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     calls = []
     monkeypatch.setattr(state_kernels, "state_to_rows", lambda *a, **kw: calls.append(kw)
                         or state_references.state_to_rows_reference(*a, **kw))
-    monkeypatch.setattr(state_kernels, "rows_to_state", state_references.rows_to_state_reference)
+    monkeypatch.setattr(state_sums, "rows_to_state", state_references.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
     b, h, n, c, e = 1, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, h, n, c, D)), BF16)
@@ -420,6 +422,88 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     assert [kw["upper"] for kw in calls] == [states.UPPER_BLOCKS] * 2 and states.UPPER_BLOCKS
     assert [kw["packed"] for kw in calls] == [states.PACKED] * 2
     assert [kw["pipelined"] for kw in calls] == [states.UPPER_BLOCKS] * 2
+
+
+def test_the_upper_layout_holds_each_pair_once_and_the_whole_blocks_come_back(rng):
+    """The upper layout keeps S[(i, j)] for j >= 16 (i // 16): 62.5 % of the square entries,
+    every unordered pair (i, j) at least once; square_of_upper gives the symmetric state
+    back exactly, taking each entry left of a diagonal block from its mirror; the pieces a
+    kernel reads a whole block S_j with (its held rows, one box of mirrors per group below
+    j's) cover its rows once and hold exactly that block."""
+    e = 3
+    square = rng.normal(size=(2, D, D, e)).astype(np.float32)
+    symmetric = jnp.asarray((square + np.swapaxes(square, 1, 2)).reshape(2, D * D, e), F32)
+    arrays = state_references.upper_arrays(symmetric)
+    assert [a.shape for a in arrays] == state_walks.upper_shapes((2,), D, e)
+    assert sum(a.size for a in arrays) == 0.625 * symmetric.size
+    np.testing.assert_array_equal(state_references.square_of_upper(arrays), symmetric)
+    skewed = jnp.asarray(square.reshape(2, D * D, e), F32)  # not symmetric: whose entry?
+    back = np.asarray(state_references.square_of_upper(state_references.upper_arrays(skewed)))
+    for i, j in ((3, 40), (40, 3), (20, 17), (63, 0), (5, 5)):
+        held = j >= state_walks.BLOCK * (i // state_walks.BLOCK)
+        np.testing.assert_array_equal(back[:, i * D + j], square[:, i, j] if held
+                                      else square[:, j, i])
+    whole = np.asarray(state_references.square_of_upper(arrays)).reshape(2, D, D, e)
+    for j in range(D):
+        block = np.full((2, D, e), np.nan)
+        for piece in state_walks.whole_block_pieces(j, D):
+            source = arrays[piece.group]
+            at = j - state_walks.BLOCK * piece.group
+            rows = source[:, :, at] if piece.mirror else source[:, at]
+            assert rows.shape[1] == piece.rows
+            assert np.all(np.isnan(block[:, piece.first:piece.first + piece.rows]))
+            block[:, piece.first:piece.first + piece.rows] = rows
+        np.testing.assert_array_equal(block, whole[:, j])
+
+
+def test_the_kernels_write_and_read_the_state_in_the_upper_layout(monkeypatch):
+    """rows_to_state(upper=True) writes four arrays of the upper shapes; state_to_rows (over
+    the upper blocks as the tier runs it, over whole blocks, transposed) and row_gradients
+    take s as such a tuple, each one Mosaic GPU kernel of the outputs they give for a
+    square s; the whole-block ring takes a step's copies (up to 8: two blocks of the last
+    group, each its held rows and three boxes of mirrors) on one barrier. A tuple of other
+    shapes, or several chunks a program, is refused by name."""
+    arrivals = []
+    real_scratch = state_kernels.Ring.scratch
+    monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
+        lambda specs, depth, groups=None, counts=None: arrivals.append(counts)
+        or real_scratch(specs, depth, groups, counts)))
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 256, 64
+    upper = [(shape, BF16) for shape in state_walks.upper_shapes((b, hk, n + 1), D, e)]
+    text = lowered(lambda *x: state_sums.rows_to_state(*x, kv_heads=hk, slots=n + 1,
+                                                          slot_offset=1, upper=True),
+                   ((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
+    assert text.count("@mosaic_gpu") == 1
+    assert all(f"tensor<{'x'.join(map(str, shape))}xbf16>" in text for shape, _ in upper)
+    x, a, col = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16), ((b, hq, n, D, c), BF16)
+    z = [((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32)]
+    runs = [
+        (lambda x, col, *s: state_kernels.state_to_rows(
+            x, col, s, transposed=False, slot_offset=1, upper=True, packed=True,
+            pipelined=True), [x, col, *upper], f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>", [8]),
+        (lambda x, col, *s: state_kernels.state_to_rows(x, col, s, transposed=False,
+                                                        slot_offset=1),
+         [x, col, *upper], f"tensor<{b}x{hq}x{n}x{c}x{e}xf32>", [8]),
+        (lambda a, col, *s: state_kernels.state_to_rows(a, col, s, transposed=True,
+                                                        slot_offset=1),
+         [a, col, *upper], f"tensor<{b}x{hq}x{n}x{c}x{D}xf32>", [8]),
+        (lambda a, x, col, *rest: state_kernels.row_gradients(
+            a, x, col, tuple(rest[:4]), slot_offset=1,
+            normalizer=state_kernels.Normalizer(*rest[4:])), [a, x, col, *upper, *z],
+         f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>", [8])]
+    for fn, shapes, outputs, counts in runs:
+        text = lowered(fn, *shapes)
+        assert text.count("@mosaic_gpu") == 1
+        assert outputs in text
+        assert arrivals[-1] == counts
+    stored = tuple(jnp.zeros(shape, dtype) for shape, dtype in upper)
+    rows, cols = jnp.zeros(x[0], BF16), jnp.zeros(col[0], BF16)
+    with pytest.raises(ValueError, match="s in the upper layout"):
+        state_kernels.state_to_rows(rows, cols, stored[:3] + stored[2:3], transposed=False,
+                                    slot_offset=1)
+    with pytest.raises(ValueError, match="chunks_per_program=2: s in the upper layout"):
+        state_kernels.state_to_rows(rows, cols, stored, transposed=False, slot_offset=1,
+                                    chunks_per_program=2)
 
 
 def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):

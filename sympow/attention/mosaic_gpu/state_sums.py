@@ -1,0 +1,204 @@
+"""rows_to_state on Hopper, p = 2: a chunk's rows summed into its state in the square layout
+(or stored in the upper layout), S_i = sum_r col_ir x_r a_r^T: the update_state forward and
+a state's cotangent (`state_kernels` has the layout, the products and the other kernels).
+
+Programs (blocks.py): one per (group of 2 x per_wg features i, chunks_per_program chunks,
+kv head); the ring walks the 64-row blocks of a chunk (over the query heads of a group
+too; a step's xt, col and a blocks on one barrier), each compute warpgroup accumulating
+its per_wg blocks S_i in registers (per_wg = 256 / E), a step's products in two halves
+(`blocks.products_in_halves`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sympow.attention.mosaic_gpu.blocks import (
+    COL_VECTOR,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    MEMORY_REGISTERS,
+    ROWS,
+    WGMMA,
+    Ring,
+    by_cols,
+    launch,
+    products,
+    products_in_halves,
+    swizzled,
+    tile,
+)
+from sympow.attention.mosaic_gpu.state_kernels import (
+    BF16,
+    F32,
+    check_chunks_per_program,
+    check_slots,
+    check_stages,
+)
+from sympow.attention.mosaic_gpu.state_walks import BLOCK, upper_shapes
+
+ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
+# A program's chunks: 8-step chunks (of 512 rows) paid a program's fixed cost less often
+# over 4 (0.82 -> 0.78 ms a call on an H200, 2026-11-27, profile_states.py).
+CHUNKS_PER_PROGRAM = 4
+
+
+def features_per_warpgroup(e: int) -> int:
+    """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
+    return ACC_COLUMNS // e
+
+
+def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
+                  slot_offset: int = 0, chunks_per_program: int | None = None,
+                  step_barriers: int = 1, pipelined: bool = True, upper: bool = False):
+    """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
+    S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
+    col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
+    upper: S in the upper layout instead (`state_walks.upper_shapes`: a tuple of four
+    arrays [B, Hk, slots, 16, D - 16 b, E], S[(i, j)] for j >= 16 (i // 16) only, 62.5 %
+    of the bytes; the products are the square ones, their rows j < 16 (i // 16) not
+    stored). Built on 2026-11-27 and not yet run on a GPU.
+
+    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
+    a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
+    of TILE_ROWS, D = DIM.
+
+    chunks_per_program (dividing N; None: gcd(N, CHUNKS_PER_PROGRAM)): consecutive chunks
+    one program sums, one after the other, its ring running on into the next chunk while the
+    last one's states are stored (a program's first copies and last stores, which nothing
+    overlaps while one program holds an SM, then come once per program, not once per
+    chunk). Same sums, same order, whatever the value.
+
+    stages: the ring's slots (2 or more with pipelined; deeper measured the same on an
+    H200, 2026-11-27).
+
+    step_barriers: 1, a step's three blocks (xt, col, a) arrive on one barrier, which a
+    compute warpgroup checks once a step (they are used together); 3, a barrier each (the
+    layout before 2026-11-27, kept to measure against: each check is a round trip, and
+    the three held ~10 % of the kernel's warp samples, ncu, H200).
+
+    pipelined (the default): a warpgroup issues a step's products in two halves of its
+    features and builds each half's operands while the other half's products run
+    (`blocks.products_in_halves`); False builds all of them and then waits for all
+    (`products`: the layout before 2026-11-27's sixteenth session, 4 % slower on an H200).
+    Same sums, same order.
+    """
+    b, hx, n, d, c = xt.shape
+    e = a.shape[-1]
+    slots = n if slots is None else slots
+    check_slots(slots, n, slot_offset)
+    if chunks_per_program is None:
+        chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
+    check_chunks_per_program(chunks_per_program, n)
+    if step_barriers not in (1, 3):
+        raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
+    check_stages(stages, pipelined)
+    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
+    per_wg = features_per_warpgroup(e)
+    per_program = COMPUTE_WGS * per_wg
+    groups, row_blocks = hx // kv_heads, c // ROWS
+    steps = groups * row_blocks
+
+    def kernel(xt_ref, col_ref, a_ref, *refs):
+        *s_refs, ring_arrays, ring_loaded, ring_freed, out = refs
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
+        bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
+        bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
+        chunk0 = lax.axis_index("chunk") * chunks_per_program  # this program's first chunk
+        first = lax.axis_index("features") * per_program  # this program's first i
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+            def step_blocks(slot):
+                """A step's operand builder (the warpgroup's features t -> their operands
+                xt diag(col_i), i its t-th feature) and its a block, once the blocks in its
+                ring slot have landed."""
+                # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
+                xt_smem, col_rows, a_smem = ring.wait_all(slot)
+                xt_block = plgpu.load(xt_smem, (), layout=WGMMA)
+
+                def operands(features):
+                    scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
+                              for t in features]
+                    return [xt_block * by_cols(x.astype(BF16)) for x in scales]
+                return operands, a_smem
+
+            def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
+                def visit(step, _):
+                    slot = ring.slot(step)
+                    operands, a_smem = step_blocks(slot)
+                    products(acc_refs, operands(range(per_wg)), [a_smem] * per_wg)
+                    ring.release(slot)
+
+                def halves(step, slot):  # the warpgroup's features in two halves
+                    operands, a_smem = step_blocks(slot)
+
+                    def half(ts):
+                        return lambda: [(acc_refs[t], operand, a_smem) for t, operand in
+                                        zip(ts, operands(ts), strict=True)]
+                    return half(range(per_wg // 2)), half(range(per_wg // 2, per_wg))
+
+                if pipelined:
+                    products_in_halves(ring, k * steps, (k + 1) * steps, halves)
+                else:
+                    lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+            def sum_and_store(k, _=None):
+                accs = pl.run_scoped(functools.partial(accumulate_all, k),
+                                     *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
+                for t, acc in enumerate(accs):
+                    out.at[wg, t][...] = acc.astype(BF16)
+                plgpu.commit_smem()
+                for t in range(per_wg):
+                    i = first + wg * per_wg + t
+                    if not upper:
+                        plgpu.copy_smem_to_gmem(out.at[wg, t], s_refs[0].at[
+                            bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
+                    for group, s_ref in enumerate(s_refs if upper else ()):
+                        lo = BLOCK * group  # the program's features lie in one group
+                        pl.when(lax.div(first, BLOCK) == group)(functools.partial(
+                            plgpu.copy_smem_to_gmem, out.at[wg, t, pl.ds(lo, d - lo)],
+                            s_ref.at[bi, hk, chunk0 + k + slot_offset, i - lo]))
+
+            lax.fori_loop(0, chunks_per_program, sum_and_store, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def sources(step):
+                chunk, step_in_chunk = chunk0 + lax.div(step, steps), lax.rem(step, steps)
+                h = hk * groups + lax.div(step_in_chunk, row_blocks)
+                rows = pl.ds(lax.rem(step_in_chunk, row_blocks) * ROWS, ROWS)
+                return (xt_ref.at[bi, h, chunk, :, rows],
+                        col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
+                        a_ref.at[bi, h, chunk, rows])
+
+            ring.fill(chunks_per_program * steps, sources)
+
+    if upper and BLOCK % per_program:
+        raise ValueError(f"upper: a program's {per_program} features must lie in one group of "
+                         f"{BLOCK} rows i")
+    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages,
+                        ring_groups)
+    lead = (b, kv_heads, slots)
+    out_type = ([jax.ShapeDtypeStruct(shape, BF16) for shape in upper_shapes(lead, d, e)]
+                if upper else jax.ShapeDtypeStruct((*lead, d * d, e), BF16))
+    result = launch(
+        kernel, name="sympow_states_rows_to_state",
+        out_type=out_type,
+        scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
+        grid=(n // chunks_per_program, b * kv_heads, d // per_program),
+        grid_names=("chunk", "bh", "features"), args=(xt, col, a))
+    return tuple(result) if upper else result
