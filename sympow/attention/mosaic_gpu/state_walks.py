@@ -1,9 +1,12 @@
-"""How `state_kernels.state_to_rows`' ring walks a chunk's state: BLOCKS_PER_STEP blocks S_i
-[D, E] a step over the square layout, or over the upper blocks of the symmetric state only
-(`upper=True`): each S_i from row j >= 16 (i // 16) on, in static segments of steps whose
-blocks share their shapes (`upper_segments`), a step's blocks placed in its ring tiles
-(`UpperSegment.place`) and split into the pieces a product takes (`upper_pieces`). Plain
-Python: the kernel, its memory warpgroup's fill and the tests read the same walk."""
+"""How the state kernels' rings walk a chunk's state, and the layout a state may be stored
+in. state_to_rows takes BLOCKS_PER_STEP blocks S_i [D, E] a step over the square layout,
+or over the upper blocks of the symmetric state only (`upper=True`): each S_i from row
+j >= 16 (i // 16) on, in static segments of steps whose blocks share their shapes
+(`upper_segments`), a step's blocks placed in its ring tiles (`UpperSegment.place`) and
+split into the pieces a product takes (`upper_pieces`). The upper layout
+(`upper_shapes`) stores only those rows, one array per 16 rows i; a whole block S_j comes
+back from it in `whole_block_pieces`. Plain Python: the kernels, their memory warpgroups'
+fills and the tests read the same walks."""
 
 from __future__ import annotations
 
