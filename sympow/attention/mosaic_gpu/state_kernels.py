@@ -144,7 +144,10 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
-    head h // (Hx / Hk). W' = E, or D when transposed. C a multiple of TILE_ROWS, D = DIM.
+    head h // (Hx / Hk), or the same state in the upper layout, a tuple or list of the
+    arrays of `state_walks.upper_shapes((B, Hk, N), D, E)` (its whole blocks read from
+    their held rows and their mirrors; not yet run on a GPU). W' = E, or D when
+    transposed. C a multiple of TILE_ROWS, D = DIM.
     stages: ring slots (default: as many as fit in shared memory). slot_offset: chunk n
     reads s at slot n + slot_offset (s may hold more slots than N; Z's parts stay by chunk).
     chunks_per_program (dividing N; without a normalizer): consecutive chunks one program
@@ -187,8 +190,8 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     cotangent: both terms are homogeneous of degree 2 in u), all from float32 in the
     kernel's epilogue (one read of dx less, and dx leaves in bf16).
 
-    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s, slot_offset,
-    chunks_per_program, pipelined as `state_to_rows`.
+    a [B, Hx, N, C, E] bf16; x [B, Hx, N, C, D] bf16; col, s (square, or in the upper
+    layout), slot_offset, chunks_per_program, pipelined as `state_to_rows`.
     """
     return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
@@ -203,10 +206,10 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
-    arrays = s if isinstance(s, tuple) else (s,)  # the upper layout: one array per group
+    stored_upper = isinstance(s, (tuple, list))  # the upper layout: one array per group
+    arrays = tuple(s) if stored_upper else (s,)
     hk, slots, e = arrays[0].shape[1], arrays[0].shape[2], arrays[0].shape[-1]
     check_slots(slots, n, slot_offset)
-    stored_upper = isinstance(s, tuple)
     if stored_upper and [a.shape for a in s] != upper_shapes((b, hk, slots), d, e):
         raise ValueError(f"s in the upper layout: {upper_shapes((b, hk, slots), d, e)}; got "
                          f"{[a.shape for a in s]}")

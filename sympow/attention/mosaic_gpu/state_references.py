@@ -58,7 +58,7 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
     products in, not its sum: taken and unused here. s: square, or a tuple in the upper
     layout (`upper_arrays`)."""
     del packed, pipelined
-    s = square_of_upper(s) if isinstance(s, tuple) else s
+    s = square_of_upper(s) if isinstance(s, (tuple, list)) else s
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]
     check_slots(s.shape[2], n, slot_offset)

@@ -488,7 +488,7 @@ def test_the_kernels_write_and_read_the_state_in_the_upper_layout(monkeypatch):
                                                         slot_offset=1),
          [a, col, *upper], f"tensor<{b}x{hq}x{n}x{c}x{D}xf32>", [8]),
         (lambda a, x, col, *rest: state_kernels.row_gradients(
-            a, x, col, tuple(rest[:4]), slot_offset=1,
+            a, x, col, list(rest[:4]), slot_offset=1,  # a list is taken as a tuple
             normalizer=state_kernels.Normalizer(*rest[4:])), [a, x, col, *upper, *z],
          f"tensor<{b}x{hq}x{n}x{c}x{D}xbf16>, tensor<{b}x{hq}x{n}x{c}xf32>", [8])]
     for fn, shapes, outputs, counts in runs:
