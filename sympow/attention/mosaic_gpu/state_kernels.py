@@ -257,9 +257,10 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     upper = segments is not None
     ring_specs, ring_groups = (([tile(e, max_swizzle=32)] * per_step, [tuple(range(per_step))])
                                if upper else ([((per_step * d, e), BF16, True)], None))
-    ring_arrivals = [max(seg.blocks for seg in segments)] if upper else None
-    if stored_upper and not upper:  # a block S_j: its held rows and a box per mirror group
-        ring_arrivals = [per_step * len(arrays)]
+    # the most copies a step: over the upper blocks, a step's blocks; over whole blocks of
+    # the upper layout, each block's held rows and a box per mirror group
+    ring_arrivals = ([max(seg.blocks for seg in segments)] if upper else
+                     [per_step * len(arrays)] if stored_upper else None)
 
     def kernel(*refs):
         refs = list(refs)
@@ -337,18 +338,16 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     return (functools.partial(build, entries[:half], seg),
                             functools.partial(build, entries[half:], seg))
 
-                if upper:  # one static segment of steps per 16 rows i (their pieces' shapes)
-                    for seg in segments:
-                        if pipelined:
-                            products_in_halves(ring, seg.first, seg.first + seg.steps,
-                                               functools.partial(halves, seg=seg))
-                        else:
-                            lax.fori_loop(seg.first, seg.first + seg.steps,
-                                          functools.partial(visit, seg=seg), None)
-                elif pipelined:
-                    products_in_halves(ring, k * steps, (k + 1) * steps, halves)
-                else:
-                    lax.fori_loop(k * steps, (k + 1) * steps, visit, None)
+                # one static segment of steps per 16 rows i (their pieces' shapes), or the
+                # chunk's steps
+                walks = ([(seg.first, seg.first + seg.steps, seg) for seg in segments]
+                         if upper else [(k * steps, (k + 1) * steps, None)])
+                for first_step, end, seg in walks:
+                    if pipelined:
+                        products_in_halves(ring, first_step, end,
+                                           functools.partial(halves, seg=seg))
+                    else:
+                        lax.fori_loop(first_step, end, functools.partial(visit, seg=seg), None)
                 return tuple(acc_ref[...] for acc_ref in acc_refs)
 
             accs = pl.run_scoped(accumulate_all,
