@@ -19,7 +19,7 @@ from sympow.attention.mosaic_gpu.state_kernels import (
     Normalizer,
     check_slots,
 )
-from sympow.attention.mosaic_gpu.state_walks import BLOCK, upper_rows
+from sympow.attention.mosaic_gpu.state_walks import BLOCK
 
 
 def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
@@ -104,13 +104,11 @@ def upper_arrays(s) -> tuple:
 def square_of_upper(arrays) -> jnp.ndarray:
     """The square state [..., D^2, E] of one in the upper layout: S[(i, j)] from the group
     of i where j >= 16 (i // 16), else its mirror S[(j, i)] from the group of j."""
-    rows = []
-    for i in range(DIM):
-        group, lo = i // BLOCK, BLOCK * (i // BLOCK)
-        mirrors = [arrays[j // BLOCK][..., j % BLOCK, i - BLOCK * (j // BLOCK), :]
-                   for j in range(lo)]  # [..., E] each: S[(j, i)] for j < lo
-        held = arrays[group][..., i % BLOCK, :upper_rows(group, DIM), :]  # [..., D - lo, E]
-        rows.append(jnp.concatenate([jnp.stack(mirrors, axis=-2), held], axis=-2)
-                    if mirrors else held)
-    square = jnp.stack(rows, axis=-3)  # [..., D, D, E]
-    return square.reshape(*square.shape[:-3], DIM * DIM, square.shape[-1])
+    lead, e = arrays[0].shape[:-3], arrays[0].shape[-1]
+    placed = jnp.zeros((*lead, DIM, DIM, e), arrays[0].dtype)  # the held entries
+    for lo, array in zip(range(0, DIM, BLOCK), arrays, strict=True):
+        placed = placed.at[..., lo:lo + BLOCK, lo:, :].set(array)
+    i, j = jnp.arange(DIM)[:, None], jnp.arange(DIM)[None, :]
+    held = (j >= BLOCK * (i // BLOCK))[..., None]  # [D, D, 1]
+    square = jnp.where(held, placed, jnp.swapaxes(placed, -2, -3))
+    return square.reshape(*lead, DIM * DIM, e)

@@ -65,8 +65,8 @@ PACKED = True
 
 
 def _upper_options() -> dict[str, bool]:
-    """The untransposed state_to_rows' keywords for UPPER_BLOCKS and PACKED (read at each
-    call, so a test may set either)."""
+    """The untransposed state_to_rows' keywords for UPPER_BLOCKS and PACKED, the steps in
+    halves with the upper blocks (read at each call, so a test may set either)."""
     return {"upper": UPPER_BLOCKS, "packed": UPPER_BLOCKS and PACKED,
             "pipelined": UPPER_BLOCKS}
 
@@ -126,7 +126,7 @@ def state_of_rows(x, ls, a, kv_heads: int):
 def _state_of_rows_fwd(x, ls, a, kv_heads):
     n = x.shape[2]
     s = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
-                                    kv_heads=kv_heads, slots=n + 1, slot_offset=1)
+                                 kv_heads=kv_heads, slots=n + 1, slot_offset=1)
     z = jnp.pad(_weighted_gram(x, jnp.exp(P * ls), kv_heads), ((0, 0), (0, 0), (1, 0), (0, 0)))
     return (s, z), (x, ls, a)
 
@@ -171,7 +171,7 @@ def _rows_of_state_bwd(res, cotangents):
     dy = dy.astype(BF16)
     col, kv_heads, slots = columns(x, ls), s.shape[1], s.shape[2]
     ds = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
-                                     slots=slots)
+                                  slots=slots)
     weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
     dx, dls = state_kernels.row_gradients(
         dy, x, col, s, normalizer=state_kernels.Normalizer(parts, weights))
