@@ -36,12 +36,12 @@ def primitives(config: AttentionConfig) -> ChunkPrimitives:
         return portable.update_state(k, v, tail, p=p)
 
     def prefix_sum_(s, z, g_last):
-        if states.is_square(s.shape[-2], config.p):
+        if states.holds(s, config.p):
             return states.prefix_sum(config, s, z, g_last)
         return portable.prefix_sum(s, z, g_last)
 
     def query_state_(q, s_in, z_in, g, o, den, m, *, p):
-        if square(q, s_in, q.dtype):
+        if square(q, states.first_array(s_in), q.dtype):
             return states.query_state(q, s_in, z_in, g, o, den, m)
         return portable.query_state(q, s_in, z_in, g, o, den, m, p=p)
 

@@ -32,6 +32,7 @@ d(phi(u) . M)/du = 2 M_(i, .) u (one transposed product instead of two).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,14 @@ from jax import lax
 
 from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
-from sympow.attention.mosaic_gpu import blocks, state_kernels, state_sums, vjps
+from sympow.attention.mosaic_gpu import (
+    blocks,
+    state_kernels,
+    state_references,
+    state_sums,
+    state_walks,
+    vjps,
+)
 from sympow.attention.pallas import vjps as portable
 from sympow.attention.pallas.phi import to_symmetric_layout
 from sympow.attention.pallas.plan import padded_width, prefix_plan
@@ -62,6 +70,10 @@ COLUMNS_DTYPE = "bfloat16"
 # halves whose operands are built while the other half's products run (`pipelined`).
 UPPER_BLOCKS = True
 PACKED = True
+# Whether update_state stores the states in the upper layout (`state_walks.upper_shapes`:
+# the rows j >= 16 (i // 16) of each S_i, 62.5 % of the square bytes; z alike), which the
+# prefix sums, y and the backward then carry, the cotangents too (module docstring).
+STORED_UPPER = True
 
 
 def _upper_options() -> dict[str, bool]:
@@ -113,32 +125,34 @@ def _kernel_width(e: int) -> int:
     return max(min(blocks.WIDTHS), padded_width(e))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def state_of_rows(x, ls, a, kv_heads: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def state_of_rows(x, ls, a, kv_heads: int, upper: bool):
     """(S [B, Hk, N + 1, d^2, E] bf16, z [B, Hk, N + 1, d^2] float32) in slots: chunk n's
     sums over its rows and the group heads of phi(u) a^T and of phi(u) at slot n + 1, u =
-    x e^ls, for x [B, Hx, N, C, d] bf16, ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16.
-    Slot 0 is left for the prefix sum's P_0 (S's unwritten); the cotangents come back in
-    the same slots (slot 0 unread)."""
-    return _state_of_rows_fwd(x, ls, a, kv_heads)[0]
+    x e^ls, for x [B, Hx, N, C, d] bf16, ls [B, Hx, N, C] f32, a [B, Hx, N, C, E] bf16;
+    upper: both in the upper layout instead (`stored`). Slot 0 is left for the prefix
+    sum's P_0 (S's unwritten); the cotangents come back in the same slots (slot 0
+    unread)."""
+    return _state_of_rows_fwd(x, ls, a, kv_heads, upper)[0]
 
 
-def _state_of_rows_fwd(x, ls, a, kv_heads):
+def _state_of_rows_fwd(x, ls, a, kv_heads, upper):
     n = x.shape[2]
     s = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
-                                 kv_heads=kv_heads, slots=n + 1, slot_offset=1)
+                                 kv_heads=kv_heads, slots=n + 1, slot_offset=1, upper=upper)
     z = jnp.pad(_weighted_gram(x, jnp.exp(P * ls), kv_heads), ((0, 0), (0, 0), (1, 0), (0, 0)))
-    return (s, z), (x, ls, a)
+    return (s, stored(z, upper, values=False)), (x, ls, a)
 
 
-def _state_of_rows_bwd(kv_heads, res, cotangents):
+def _state_of_rows_bwd(kv_heads, upper, res, cotangents):
     x, ls, a = res
     ds, dz = cotangents
-    ds = ds.astype(BF16)
+    ds = _each(lambda y: y.astype(BF16), ds)
     col = columns(x, ls)
     da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1,
                                      **_upper_options())
     # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
+    dz = square(dz, values=False) if upper else dz
     dx, dls = state_kernels.row_gradients(
         a, x, col, ds, slot_offset=1,
         normalizer=state_kernels.Normalizer(z_parts(dz[:, :, 1:]), jnp.exp(P * ls)))
@@ -152,13 +166,14 @@ state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
 def rows_of_state(x, ls, s, z):
     """(y [B, Hx, N, C, E] float32 = phi(u) S, den [B, Hx, N, C] float32 = phi(u) . z), u =
     x e^ls, with S [B, Hk, slots, d^2, E] bf16 and z [B, Hk, slots, d^2] float32 of kv head
-    h // (Hx / Hk): chunk n reads slot n (slots >= N: the slotted prefix sum's N + 1, the
-    last unread; its cotangent unwritten in S's, zero in z's)."""
+    h // (Hx / Hk), or both in the upper layout (`stored`; the cotangents then too): chunk
+    n reads slot n (slots >= N: the slotted prefix sum's N + 1, the last unread; its
+    cotangent unwritten in S's, zero in z's)."""
     return _rows_of_state_fwd(x, ls, s, z)[0]
 
 
 def _rows_of_state_fwd(x, ls, s, z):
-    parts = z_parts(z)
+    parts = z_parts(square(z, values=False) if _is_upper(s) else z)
     out = state_kernels.state_to_rows(
         x, columns(x, ls), s, transposed=False, **_upper_options(),
         normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
@@ -169,15 +184,16 @@ def _rows_of_state_bwd(res, cotangents):
     x, ls, s, parts = res
     dy, dden = cotangents
     dy = dy.astype(BF16)
-    col, kv_heads, slots = columns(x, ls), s.shape[1], s.shape[2]
+    upper, (_, kv_heads, slots) = _is_upper(s), first_array(s).shape[:3]
+    col = columns(x, ls)
     ds = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
-                                  slots=slots)
+                                  slots=slots, upper=upper)
     weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
     dx, dls = state_kernels.row_gradients(
         dy, x, col, s, normalizer=state_kernels.Normalizer(parts, weights))
     dz = _weighted_gram(x, weights, kv_heads)
     dz = jnp.pad(dz, ((0, 0), (0, 0), (0, slots - dz.shape[2]), (0, 0)))
-    return dx, dls, ds.astype(s.dtype), dz
+    return dx, dls, _each(lambda y: y.astype(BF16), ds), stored(dz, upper, values=False)
 
 
 rows_of_state.defvjp(_rows_of_state_fwd, _rows_of_state_bwd)
@@ -205,11 +221,19 @@ def _weighted_gram(x, weights, kv_heads: int):
 
 
 def update_state(k, v, tail):
-    """`ChunkPrimitives.update_state` in the square layout (p = 2), in N + 1 slots
-    (`state_of_rows`): `prefix_sum` sums them in place, `query_state` reads its output."""
+    """`ChunkPrimitives.update_state` (p = 2), in N + 1 slots (`state_of_rows`), square or
+    (STORED_UPPER) in the upper layout: `prefix_sum` sums them in place, `query_state`
+    reads its output."""
     e = v.shape[-1]
-    s, z = state_of_rows(k, tail / P, pad_to(v, -1, _kernel_width(e)), k.shape[1])
-    return s[..., :e], z
+    s, z = state_of_rows(k, tail / P, pad_to(v, -1, _kernel_width(e)), k.shape[1],
+                         STORED_UPPER)
+    return _each(lambda y: y[..., :e], s), z
+
+
+def holds(s, p: int) -> bool:
+    """Whether a state is one `update_state` made: the upper layout's arrays, or F = d^2
+    features (no tier's other layout has d^2 features)."""
+    return _is_upper(s) or is_square(s.shape[-2], p)
 
 
 @functools.lru_cache(maxsize=4)
@@ -222,22 +246,114 @@ def _final_gather(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def prefix_sum(config: AttentionConfig, s, z, g_last):
-    """`ChunkPrimitives.prefix_sum` in the square layout: the portable kernel (in place over
-    `update_state`'s N + 1 slots; exclusive, into a buffer of its own, for N), the final
-    state gathered to the tile=1 layout."""
-    f, e = s.shape[-2:]
-    slotted = s.shape[2] == g_last.shape[-1] + 1
+    """`ChunkPrimitives.prefix_sum` of `update_state`'s states: the portable kernel (in
+    place over N + 1 slots; exclusive, into a buffer of its own, for N), in one launch over
+    the arrays of the upper layout, each entry weighted in g_last's cotangent by the
+    entries it stands for (`state_walks.stored_weights`); the final state gathered to the
+    tile=1 layout."""
+    upper, e = _is_upper(s), first_array(s).shape[-1]
+    slotted = first_array(s).shape[2] == g_last.shape[-1] + 1
+    s_groups, z_groups = (s, z) if upper else ((s,), (z,))
+    # the kernel's [.., F, E] and [.., F] (B, Hk, slots lead)
+    flat_s = tuple(pad_to(y.reshape(*y.shape[:3], -1, e), -1, padded_width(e)) for y in s_groups)
+    flat_z = tuple(y.reshape(*y.shape[:3], -1) for y in z_groups)
+    weights = (tuple(jnp.asarray(state_walks.stored_weights(group, state_kernels.DIM), F32)
+                     for group in range(len(s_groups))) if upper else None)
+    features = math.gcd(*(y.shape[-2] for y in flat_s))  # every group's F a multiple
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(
-        prefix_plan(f, config.interpret, slotted), pad_to(s, -1, padded_width(e)), z, g_last)
+        prefix_plan(features, config.interpret, slotted), flat_s, flat_z, g_last, weights)
+    s_in = tuple(y[..., :e].reshape(x.shape) for y, x in zip(s_in, s_groups, strict=True))
+    z_in = tuple(y.reshape(x.shape) for y, x in zip(z_in, z_groups, strict=True))
+    s_fin = tuple(y[..., :e].reshape(*y.shape[:2], *x.shape[3:])
+                  for y, x in zip(s_fin, s_groups, strict=True))
+    z_fin = tuple(y.reshape(*y.shape[:2], *x.shape[3:])
+                  for y, x in zip(z_fin, z_groups, strict=True))
+    if upper:
+        s_fin, z_fin = square(s_fin, values=True), square(z_fin, values=False)
+    else:
+        s_in, z_in, s_fin, z_fin = s_in[0], z_in[0], s_fin[0], z_fin[0]
     rows, mirrors, scale = _final_gather(state_kernels.DIM)
-    s_fin = (s_fin[..., rows, :e] + s_fin[..., mirrors, :e]) * (0.5 * scale[:, None])
+    s_fin = (s_fin[..., rows, :] + s_fin[..., mirrors, :]) * (0.5 * scale[:, None])
     z_fin = (z_fin[..., rows] + z_fin[..., mirrors]) * (0.5 * scale)
-    return s_in[..., :e], z_in, s_fin, z_fin
+    return s_in, z_in, s_fin, z_fin
 
 
 def query_state(q, s_in, z_in, g, o, den, m):
-    """`ChunkPrimitives.query_state` in the square layout (p = 2)."""
-    hq, hk, e = q.shape[1], g.shape[1], s_in.shape[-1]
+    """`ChunkPrimitives.query_state` of `update_state`'s states (p = 2)."""
+    hq, hk, e = q.shape[1], g.shape[1], first_array(s_in).shape[-1]
     ls = jnp.repeat(g / P, hq // hk, axis=1)  # per query head
-    num, inter_den = rows_of_state(q, ls, pad_to(s_in, -1, _kernel_width(e)), z_in)
+    num, inter_den = rows_of_state(q, ls, _each(lambda y: pad_to(y, -1, _kernel_width(e)), s_in),
+                                   z_in)
     return chunked.combine(o, den, m, num[..., :e], inter_den)
+
+
+def stored(square_state, upper: bool, *, values: bool):
+    """A symmetric state of the square layout, S [..., d^2, E] (values) or z [..., d^2],
+    as the tier stores it: itself, or (upper) the arrays of the upper layout
+    (`state_references.upper_arrays`: [..., 16, d - 16 b(, E)] for b < d / 16). Its
+    cotangent is the tier's (`square`)."""
+    if not upper:
+        return square_state
+    if values:
+        return _upper_arrays(square_state)
+    return tuple(y[..., 0] for y in _upper_arrays(square_state[..., None]))
+
+
+def square(arrays, *, values: bool):
+    """The square layout of a symmetric state stored in the upper layout (`stored`). The
+    cotangents of both conversions are the tier's: a stored entry's is that of the
+    symmetric square's entry (i, j), equal to its mirror's (not their sum), as every
+    state cotangent here is, so each conversion's cotangent is the other conversion of
+    its output's (made symmetric)."""
+    if values:
+        return _square_of_upper(tuple(arrays))
+    return _square_of_upper(tuple(y[..., None] for y in arrays))[..., 0]
+
+
+@jax.custom_vjp
+def _upper_arrays(square_state):
+    return state_references.upper_arrays(square_state)
+
+
+def _upper_arrays_fwd(square_state):
+    return _upper_arrays(square_state), None
+
+
+def _upper_arrays_bwd(_, cotangents):
+    return (state_references.square_of_upper(cotangents),)
+
+
+_upper_arrays.defvjp(_upper_arrays_fwd, _upper_arrays_bwd)
+
+
+@jax.custom_vjp
+def _square_of_upper(arrays):
+    return state_references.square_of_upper(arrays)
+
+
+def _square_of_upper_fwd(arrays):
+    return _square_of_upper(arrays), None
+
+
+def _square_of_upper_bwd(_, cotangent):
+    d = state_kernels.DIM
+    blocks_ = cotangent.reshape(*cotangent.shape[:-2], d, d, cotangent.shape[-1])
+    mean = 0.5 * (blocks_ + jnp.swapaxes(blocks_, -2, -3))  # symmetric whatever comes back
+    return (state_references.upper_arrays(mean.reshape(cotangent.shape)),)
+
+
+_square_of_upper.defvjp(_square_of_upper_fwd, _square_of_upper_bwd)
+
+
+def _is_upper(s) -> bool:
+    return isinstance(s, (tuple, list))
+
+
+def first_array(s):
+    """The state's first array (its only one in the square layout)."""
+    return s[0] if _is_upper(s) else s
+
+
+def _each(fn, s):
+    """fn over a state's arrays (one, or the upper layout's tuple)."""
+    return tuple(fn(y) for y in s) if _is_upper(s) else fn(s)

@@ -51,22 +51,27 @@ class PrefixResiduals(NamedTuple):
     s_in: jax.Array
     z_in: jax.Array
     decay: jax.Array
+    weights: jax.Array | None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def prefix_sum(plan: PrefixPlan, s, z, g_last):
-    return _prefix_fwd(plan, s, z, g_last)[0]
+def prefix_sum(plan: PrefixPlan, s, z, g_last, weights=None):
+    """(s_in, z_in, s_final, z_final) of the gated prefix sum (`prefix_kernels.prefix_fwd`).
+    weights [F] (or None): the features' weights in g_last's cotangent
+    (`prefix_kernels.prefix_bwd`); constants, no cotangent of their own."""
+    return _prefix_fwd(plan, s, z, g_last, weights)[0]
 
 
-def _prefix_fwd(plan, s, z, g_last):
+def _prefix_fwd(plan, s, z, g_last, weights):
     decay = jnp.exp(g_last)
     out = prefix_kernels.prefix_fwd(s, z, decay, plan)
-    return out, PrefixResiduals(out[0], out[1], decay)
+    return out, PrefixResiduals(out[0], out[1], decay, weights)
 
 
 def _prefix_bwd(plan, res: PrefixResiduals, cts):
-    ds, dz, ddecay = prefix_kernels.prefix_bwd(res.s_in, res.z_in, res.decay, *cts, plan)
-    return ds, dz, ddecay * res.decay
+    ds, dz, ddecay = prefix_kernels.prefix_bwd(res.s_in, res.z_in, res.decay, *cts, plan,
+                                               weights=res.weights)
+    return ds, dz, ddecay * res.decay, None
 
 
 prefix_sum.defvjp(_prefix_fwd, _prefix_bwd)

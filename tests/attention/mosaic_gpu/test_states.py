@@ -402,10 +402,13 @@ def test_the_upper_segments_place_every_block_once_in_its_tile(packed):
     assert step == (22 if packed else 32)
 
 
-def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypatch, rng):
+@pytest.mark.parametrize("upper", [False, True])
+def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypatch, rng,
+                                                                        upper):
     """Both untransposed products of the tier (query_state's y, the update side's da) pass
     states.UPPER_BLOCKS, with their steps in halves (`pipelined`); row_gradients (which
-    needs both triangles) does not take it."""
+    needs both triangles) does not take it. The same whether the states are stored
+    square or in the upper layout (`upper`)."""
     calls = []
     monkeypatch.setattr(state_kernels, "state_to_rows", lambda *a, **kw: calls.append(kw)
                         or state_references.state_to_rows_reference(*a, **kw))
@@ -415,10 +418,11 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
     x = jnp.asarray(rng.normal(size=(b, h, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, h, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, h, n, c, e)), BF16)
-    ct = jax.tree.map(jnp.ones_like, states.state_of_rows(x, ls, a, h))
-    jax.vjp(lambda *w: states.state_of_rows(*w, h), x, ls, a)[1](ct)
+    ct = jax.tree.map(jnp.ones_like, states.state_of_rows(x, ls, a, h, upper))
+    jax.vjp(lambda *w: states.state_of_rows(*w, h, upper), x, ls, a)[1](ct)
     s, z = _symmetric_state(rng, b, h, n, e), _symmetric_normalizer(rng, b, h, n)
-    states.rows_of_state(x, ls, s, z)
+    states.rows_of_state(x, ls, states.stored(s, upper, values=True),
+                         states.stored(z, upper, values=False))
     assert [kw["upper"] for kw in calls] == [states.UPPER_BLOCKS] * 2 and states.UPPER_BLOCKS
     assert [kw["packed"] for kw in calls] == [states.PACKED] * 2
     assert [kw["pipelined"] for kw in calls] == [states.UPPER_BLOCKS] * 2
@@ -599,7 +603,10 @@ def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
 
 
 @pytest.mark.usefixtures("definitions")
-def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
+@pytest.mark.parametrize("upper", [False, True])
+def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng, upper):
+    """Square or in the upper layout (`upper`: states and their cotangents alike, a stored
+    entry's cotangent that of the symmetric square's entry)."""
     b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
@@ -608,6 +615,14 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
     z = _symmetric_normalizer(rng, b, hk, n)
     repeat = lambda y: jnp.repeat(y, hq // hk, axis=1)  # noqa: E731
     per_kv = lambda y: y.reshape(b, hk, hq // hk, *y.shape[2:]).sum(axis=2)  # noqa: E731
+
+    def stored(state):  # (S, z) square -> the layout under test
+        return (states.stored(state[0], upper, values=True),
+                states.stored(state[1], upper, values=False))
+
+    def square(state):  # ... and back
+        return ((states.square(state[0], values=True), states.square(state[1], values=False))
+                if upper else tuple(state))
 
     def by_autodiff(f, args, ct):
         return jax.vjp(f, *args)[1](ct)
@@ -626,16 +641,16 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
         def pad(y):
             nan = jnp.full_like(y[:, :, :1], jnp.nan)
             return jnp.concatenate([nan, y] if first else [y, nan], axis=2)
-        return tuple(pad(y) for y in arrays)
+        return jax.tree.map(pad, arrays)
 
     # state_of_rows: chunk n at slot n + 1, slot 0 neither written nor read; the cotangents
     # a state gets are symmetric
-    got = states.state_of_rows(x, ls, a, hk)
-    assert [y.shape[2] for y in got] == [n + 1, n + 1]
-    close([y[:, :, 1:] for y in got], state_definition(x, ls, a))
+    got = states.state_of_rows(x, ls, a, hk, upper)
+    assert [y.shape[2] for y in jax.tree.leaves(got)] == [n + 1] * (8 if upper else 2)
+    close([y[:, :, 1:] for y in square(got)], state_definition(x, ls, a))
     cotangent = (_symmetric_state(rng, b, hk, n, e), _symmetric_normalizer(rng, b, hk, n))
-    close(by_autodiff(lambda *w: states.state_of_rows(*w, hk), (x, ls, a),
-                      with_nan_slot(cotangent, first=True)),
+    close(by_autodiff(lambda *w: states.state_of_rows(*w, hk, upper), (x, ls, a),
+                      with_nan_slot(stored(cotangent), first=True)),
           by_autodiff(state_definition, (x, ls, a), cotangent))
 
     def rows_definition(x, ls, s, z):  # (phi(u) S, phi(u) . z)
@@ -644,19 +659,29 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng):
                                                       transposed=False),
                 jnp.sum(phi(u) * repeat(z)[:, :, :, None], axis=-1))
 
-    # rows_of_state: chunk n reads slot n, of N or of N + 1 slots (the last unread)
+    # rows_of_state: chunk n reads slot n, of N or of N + 1 slots (the last unread); the
+    # cotangents in the layout of the state
     dy = (jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32),
           jnp.asarray(rng.normal(size=(b, hq, n, c)), F32))
     want = by_autodiff(rows_definition, (x, ls, s, z), dy)
-    close(by_autodiff(states.rows_of_state, (x, ls, s, z), dy), want)
-    grads = by_autodiff(states.rows_of_state, (x, ls, *with_nan_slot((s, z), first=False)), dy)
-    assert [y.shape[2] for y in grads[2:]] == [n + 1, n + 1]
-    assert not np.any(np.asarray(grads[3][:, :, n]))  # z's last slot: no cotangent
-    close([*grads[:2], *(y[:, :, :n] for y in grads[2:])], want)
+    grads = by_autodiff(states.rows_of_state, (x, ls, *stored((s, z))), dy)
+    assert jax.tree.structure(grads[2:]) == jax.tree.structure(stored((s, z)))
+    close([*grads[:2], *square(grads[2:])], want)
+    grads = by_autodiff(states.rows_of_state, (x, ls, *with_nan_slot(stored((s, z)),
+                                                                      first=False)), dy)
+    assert [y.shape[2] for y in jax.tree.leaves(grads[2:])] == [n + 1] * (8 if upper else 2)
+    assert not any(np.any(np.asarray(y[:, :, n])) for y in jax.tree.leaves(grads[3]))  # z's
+    close([*grads[:2], *(y[:, :, :n] for y in square(grads[2:]))], want)  # last: no cotangent
     # the forward values too: the normalizer against phi written out
-    close(states.rows_of_state(x, ls, s, z), rows_definition(x, ls, s, z))
-    close(states.rows_of_state(x, ls, *with_nan_slot((s, z), first=False)),
+    close(states.rows_of_state(x, ls, *stored((s, z))), rows_definition(x, ls, s, z))
+    close(states.rows_of_state(x, ls, *with_nan_slot(stored((s, z)), first=False)),
           rows_definition(x, ls, s, z))
+
+
+def _mild(log_g):
+    """Gates whose products over a chunk of 128 stay near 1 (testing's fall to ~e^-25 there):
+    the state carried into the next chunk, and g_last's cotangent with it, then count."""
+    return log_g / 64
 
 
 def _forward_and_grads(f, args, dy):
@@ -665,13 +690,16 @@ def _forward_and_grads(f, args, dy):
 
 
 @pytest.mark.usefixtures("definitions")
-@pytest.mark.parametrize(("hq", "hk", "e", "gated"), [(4, 2, 32, True), (1, 1, 64, False),
-                                                     (2, 1, 100, True)])
-def test_the_chunked_algorithm_on_the_square_states_is_the_reference(rng, hq, hk, e, gated):
+@pytest.mark.parametrize(("hq", "hk", "e", "gated", "upper"), [
+    (4, 2, 32, True, True), (1, 1, 64, False, True), (2, 1, 100, True, True),
+    (4, 2, 32, True, False), (2, 1, 100, True, False)])
+def test_the_chunked_algorithm_on_the_tiers_states_is_the_reference(monkeypatch, rng, hq, hk,
+                                                                     e, gated, upper):
     """gold (the reference, float32 inputs) / ref (bf16 inputs) / test (the tier's
-    primitives, bf16): ||gold - test|| <= K ||gold - ref|| + ATOL ||gold|| for y and every
-    gradient, T = 300 over chunks of 128 (the last one partial), e padded to 64 or 128
-    inside."""
+    primitives, bf16, the states stored in the upper layout or square): ||gold - test|| <=
+    K ||gold - ref|| + ATOL ||gold|| for y and every gradient, T = 300 over chunks of 128
+    (the last one partial), e padded to 64 or 128 inside."""
+    monkeypatch.setattr(states, "STORED_UPPER", upper)
     b, t = 1, 300
     q, k, v, log_g, dy = testing.inputs(
         testing.Case(t=t, d=D, e=e, hq=hq, hk=hk, b=b, chunk=128, gating=gated), rng)
@@ -696,17 +724,78 @@ def test_the_chunked_algorithm_on_the_square_states_is_the_reference(rng, hq, hk
 
 
 @pytest.mark.usefixtures("definitions")
-def test_the_final_state_is_the_symmetric_layout_every_tier_returns(rng):
+@pytest.mark.parametrize("upper", [False, True])
+def test_the_final_state_is_the_symmetric_layout_every_tier_returns(monkeypatch, rng, upper):
+    """Its values, and the gradients of a loss on it alone (through the prefix sums' g_last
+    cotangent, which counts each pair the upper layout stores once twice)."""
+    monkeypatch.setattr(states, "STORED_UPPER", upper)
     q, k, v, log_g, _ = testing.inputs(testing.Case(t=200, d=D, e=64, hq=2, hk=2, b=1), rng)
-    bf16 = lambda x: x.astype(BF16)  # noqa: E731
-    final = compiled(lambda *x: chunked.chunked_attention(
-        *x, p=2, chunk_size=128, primitives=hopper.primitives(CONFIG))[1])(
-        bf16(q), bf16(k), bf16(v), log_g)
-    want = compiled(lambda *x: chunked.chunked_attention(
-        *x, p=2, chunk_size=128, primitives=xla.PRIMITIVES)[1])(bf16(q), bf16(k), bf16(v), log_g)
+    args = (q.astype(BF16), k.astype(BF16), v.astype(BF16), _mild(log_g))
+    weights = [jnp.asarray(rng.normal(size=shape), F32)
+               for shape in ((1, 2, D * (D + 1) // 2, 64), (1, 2, D * (D + 1) // 2))]
+
+    def final_and_grads(primitives):
+        def final(*x):
+            return chunked.chunked_attention(*x, p=2, chunk_size=128, primitives=primitives)[1]
+
+        def loss(*x):  # the final state alone
+            return sum(jnp.sum(w * y) for w, y in zip(weights, final(*x), strict=True))
+        return compiled(lambda *x: (final(*x), jax.grad(loss, argnums=(1, 2, 3))(*x)))(*args)
+
+    (final, grads), (want, want_grads) = (final_and_grads(hopper.primitives(CONFIG)),
+                                          final_and_grads(xla.PRIMITIVES))
     for x_, y_ in zip(final, want, strict=True):
         assert x_.shape == y_.shape  # [B, Hk, F1, E], [B, Hk, F1] with F1 = d (d + 1) / 2
         assert testing.rel_err(x_, y_) < 2 ** -7  # bf16 per-chunk states against float32
+    for x_, y_ in zip(grads, want_grads, strict=True):  # dk, dv, dlog_g
+        assert testing.rel_err(x_.astype(F32), y_.astype(F32)) < 2 ** -6
+
+
+@pytest.mark.parametrize("slotted", [False, True])
+def test_the_prefix_sums_of_the_upper_layout_are_those_of_the_square_one(rng, slotted):
+    """The same sums entry by entry, the same final state, and the same cotangents: s's and
+    z's in their layout, g_last's counting each pair the upper layout stores once twice."""
+    b, hk, n, e = 1, 2, 3, 16
+    s = _symmetric_state(rng, b, hk, n + slotted, e)
+    z = _symmetric_normalizer(rng, b, hk, n + slotted)
+    g_last = jnp.asarray(np.log(rng.uniform(0.3, 1.0, size=(b, hk, n))), F32)
+    cts = [jnp.asarray(rng.normal(size=shape), F32) for shape in (
+        (b, hk, n + slotted, D * D, e), (b, hk, n + slotted, D * D),
+        (b, hk, D * (D + 1) // 2, e), (b, hk, D * (D + 1) // 2))]
+    # symmetric, as every state cotangent of the tier; s_in's in s's dtype
+    cts[:2] = [_symmetrized(cts[0]).astype(BF16), _symmetrized(cts[1])]
+
+    def sums_and_grads(upper):  # square in and out, through the tier's conversions
+        def sums(s, z, g_last):
+            out = states.prefix_sum(CONFIG, *_stored((s, z), upper), g_last)
+            return (*_square_of(out[:2], upper), *out[2:])
+        out, vjp = jax.vjp(sums, s, z, g_last)
+        return out, vjp(tuple(cts))
+
+    (got, got_grads), (want, want_grads) = (compiled(functools.partial(sums_and_grads, u))()
+                                            for u in (True, False))
+    for x_, y_ in zip((*got, *got_grads), (*want, *want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(x_, np.float64), np.asarray(y_, np.float64),
+                                   rtol=1e-5, atol=1e-5 * float(np.max(np.abs(y_))))
+
+
+def _symmetrized(y):
+    """[B, Hk, slots, D^2(, E)] made symmetric in (i, j) by the mean with its mirror."""
+    square = y.reshape(*y.shape[:3], D, D, *y.shape[4:])
+    return (0.5 * (square + jnp.swapaxes(square, 3, 4))).reshape(y.shape)
+
+
+def _stored(state, upper: bool):
+    """(S, z) of the square layout as the tier stores them."""
+    return (states.stored(state[0], upper, values=True),
+            states.stored(state[1], upper, values=False))
+
+
+def _square_of(state, upper: bool):
+    """(S, z) in the square layout from the tier's stored one."""
+    if not upper:
+        return tuple(state)
+    return states.square(state[0], values=True), states.square(state[1], values=False)
 
 
 def test_the_final_gather_takes_the_mean_of_each_pair_and_its_mirror():
