@@ -74,6 +74,10 @@ PACKED = True
 # the rows j >= 16 (i // 16) of each S_i, 62.5 % of the square bytes; z alike), which the
 # prefix sums, y and the backward then carry, the cotangents too (module docstring).
 STORED_UPPER = True
+# The prefix sum's feature block at most: its programs walk the chunks in turn, so fewer
+# features a program means more programs walking at once (H200, T = 65,536, H = 8, upper
+# layout: 352.9 / 272.1 / 264.8 us forward and backward at 64 / 32 / 16; docs/kernels.md).
+PREFIX_FEATURE_BLOCK = 16
 
 
 def _upper_options() -> dict[str, bool]:
@@ -259,7 +263,7 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     flat_z = tuple(y.reshape(*y.shape[:3], -1) for y in z_groups)
     weights = (tuple(jnp.asarray(state_walks.stored_weights(group, state_kernels.DIM), F32)
                      for group in range(len(s_groups))) if upper else None)
-    features = math.gcd(*(y.shape[-2] for y in flat_s))  # every group's F a multiple
+    features = math.gcd(PREFIX_FEATURE_BLOCK, *(y.shape[-2] for y in flat_s))  # divides each F
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(
         prefix_plan(features, config.interpret, slotted), flat_s, flat_z, g_last, weights)
     s_in = tuple(y[..., :e].reshape(x.shape) for y, x in zip(s_in, s_groups, strict=True))
