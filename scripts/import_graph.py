@@ -39,6 +39,7 @@ LAYERS = (
     "sympow.attention.mosaic_gpu.backward_kernel",
     "sympow.attention.mosaic_gpu.vjps", "sympow.attention.mosaic_gpu.state_walks",
     "sympow.attention.mosaic_gpu.state_kernels", "sympow.attention.mosaic_gpu.state_sums",
+    "sympow.attention.mosaic_gpu.state_references",
     "sympow.attention.mosaic_gpu.states",
     "sympow.attention.mosaic_gpu.primitives", "sympow.attention.mosaic_gpu",
     "sympow.attention.implementations", "sympow.attention.api",

@@ -4,10 +4,10 @@ wrappers and fallbacks around them.
 Both algorithms take the Mosaic GPU attention kernels (`vjps.attention`, forward and
 backward): the chunked algorithm for its intra-chunk attention, the attention form for all
 of it. For p = 2 and d = 64 the chunked algorithm's state primitives are the Mosaic GPU
-ones in the square layout (`states`); every other problem runs the portable tier's
-(`sympow.attention.pallas.primitives`) with the reason logged. All three state primitives
-decide from the same shapes, so a state's layout is the same wherever it goes (the prefix
-sum tells the square layout by its d^2 features).
+ones (`states`: the square layout, stored in its upper layout); every other problem runs
+the portable tier's (`sympow.attention.pallas.primitives`) with the reason logged. All three
+state primitives decide from the same shapes, so a state's layout is the same wherever it
+goes (the prefix sum tells the tier's states by their layout: `states.holds`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The chunked algorithm's state primitives on Hopper (p = 2, d = 64): the square layout.
+"""The chunked algorithm's state primitives on Hopper (p = 2, d = 64): the square layout,
+stored in its upper layout.
 
 update_state, prefix_sum and query_state of `ChunkPrimitives`, with states in the square
 layout of `state_kernels` (F = d^2 features (i, j), weight 1). Two products carry all the
@@ -15,8 +16,11 @@ and `row_gradients` adds 2 w Z x to the row gradient, Z in three bf16 parts (flo
 accurate products). Only the gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's
 z cotangent stay float32 XLA products (on the tensor cores as bf16 parts:
 `NORMALIZER_ALGORITHM`); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
-The prefix sum is the portable tier's kernel (it sees only F), in place over one buffer of
-N + 1 slots (`prefix_kernels`, slotted): update_state writes chunk n's state at slot n + 1,
+The states are stored in the upper layout (STORED_UPPER; `state_walks.upper_shapes`: the
+entries (i, j), j >= 16 (i // 16), one array per 16 rows i, 62.5 % of the square bytes; z
+alike), or square. The prefix sum is the portable tier's kernel (it sees only F; one launch
+over the upper layout's four arrays), in place over N + 1 slots (`prefix_kernels`,
+slotted): update_state writes chunk n's state at slot n + 1,
 the sum leaves at slot n the state entering chunk n, which query_state reads, and the
 backward's cotangents take the same slots, so the state backward holds two state-sized
 buffers where an exclusive sum into a buffer of its own held three. The final state leaves
@@ -26,7 +30,11 @@ symmetric.
 
 Symmetry: every state and state cotangent here is symmetric in (i, j) (each is a sum of
 u (x) u terms, or a linear map of such sums), so the row gradients use the symmetric form
-d(phi(u) . M)/du = 2 M_(i, .) u (one transposed product instead of two).
+d(phi(u) . M)/du = 2 M_(i, .) u (one transposed product instead of two). In the upper
+layout a stored entry carries the cotangent of the square's entry (i, j), equal to its
+mirror's, not their sum: the kernels' backward is then the same on both layouts, the
+layout conversions' cotangents are each other's conversion (`stored`, `square`), and the
+prefix sum counts an entry right of a diagonal block twice in g_last's cotangent.
 """
 
 from __future__ import annotations
