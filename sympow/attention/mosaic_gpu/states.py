@@ -322,39 +322,24 @@ def square(arrays, *, values: bool):
     return _square_of_upper(tuple(y[..., None] for y in arrays))[..., 0]
 
 
-@jax.custom_vjp
-def _upper_arrays(square_state):
-    return state_references.upper_arrays(square_state)
+def _with_cotangent(fn, cotangent_fn):
+    """fn (linear, one argument) as a custom_vjp whose cotangent map is cotangent_fn."""
+    wrapped = jax.custom_vjp(fn)
+    wrapped.defvjp(lambda x: (fn(x), None), lambda _, ct: (cotangent_fn(ct),))
+    return wrapped
 
 
-def _upper_arrays_fwd(square_state):
-    return _upper_arrays(square_state), None
-
-
-def _upper_arrays_bwd(_, cotangents):
-    return (state_references.square_of_upper(cotangents),)
-
-
-_upper_arrays.defvjp(_upper_arrays_fwd, _upper_arrays_bwd)
-
-
-@jax.custom_vjp
-def _square_of_upper(arrays):
-    return state_references.square_of_upper(arrays)
-
-
-def _square_of_upper_fwd(arrays):
-    return _square_of_upper(arrays), None
-
-
-def _square_of_upper_bwd(_, cotangent):
+def _upper_of_symmetric(square_state):
+    """The upper arrays of [..., d^2, E] made symmetric (the mean with its mirror)."""
     d = state_kernels.DIM
-    blocks_ = cotangent.reshape(*cotangent.shape[:-2], d, d, cotangent.shape[-1])
-    mean = 0.5 * (blocks_ + jnp.swapaxes(blocks_, -2, -3))  # symmetric whatever comes back
-    return (state_references.upper_arrays(mean.reshape(cotangent.shape)),)
+    blocks_ = square_state.reshape(*square_state.shape[:-2], d, d, square_state.shape[-1])
+    mean = 0.5 * (blocks_ + jnp.swapaxes(blocks_, -2, -3))
+    return state_references.upper_arrays(mean.reshape(square_state.shape))
 
 
-_square_of_upper.defvjp(_square_of_upper_fwd, _square_of_upper_bwd)
+_upper_arrays = _with_cotangent(state_references.upper_arrays,
+                                state_references.square_of_upper)
+_square_of_upper = _with_cotangent(state_references.square_of_upper, _upper_of_symmetric)
 
 
 def _is_upper(s) -> bool:
