@@ -777,6 +777,10 @@ def test_the_prefix_sums_of_the_upper_layout_are_those_of_the_square_one(rng, sl
     for x_, y_ in zip((*got, *got_grads), (*want, *want_grads), strict=True):
         np.testing.assert_allclose(np.asarray(x_, np.float64), np.asarray(y_, np.float64),
                                    rtol=1e-5, atol=1e-5 * float(np.max(np.abs(y_))))
+    # the upper layout's four arrays in one launch each way, as the square layout's one
+    launches = testing.pallas_calls(lambda: sums_and_grads(True))
+    assert [call.params["name"] for call in launches] == ["sympow_prefix_sum",
+                                                          "sympow_prefix_sum_bwd"]
 
 
 def _symmetrized(y):
