@@ -781,6 +781,10 @@ def test_the_prefix_sums_of_the_upper_layout_are_those_of_the_square_one(rng, sl
     launches = testing.pallas_calls(lambda: sums_and_grads(True))
     assert [call.params["name"] for call in launches] == ["sympow_prefix_sum",
                                                           "sympow_prefix_sum_bwd"]
+    features = sum(16 * (D - lo) for lo in range(0, D, 16))  # 2,560: 62.5 % of D^2
+    assert features == 5 * D * D // 8
+    assert [call.params["grid_mapping"].grid for call in launches] == [
+        (features // states.PREFIX_FEATURE_BLOCK, b * hk)] * 2  # at most 16 features a program
 
 
 def _symmetrized(y):
