@@ -64,25 +64,28 @@ def _prefix_bwd_kernel(decay_ref, s_in_ref, z_in_ref, ds_in_ref, dz_in_ref, ds_f
         i = n - 1 - it
         ds_ref[i + slotted] = ds.astype(ds_ref.dtype)  # slotted: over P_{i+1}'s, loaded last
         dz_ref[i + slotted] = dz
-        per_feature = jnp.sum(ds * s_in_ref[i].astype(jnp.float32), axis=1) + dz * z_in_ref[i]
+        s_in = s_in_ref[i].astype(jnp.float32)
         if weighted:  # [bf]: how many features of the whole state each one stands for
-            per_feature = per_feature * weights_ref[...]
-        ddecay_ref[i] = jnp.sum(per_feature)
+            ddecay_ref[i] = jnp.sum((jnp.sum(ds * s_in, axis=1) + dz * z_in_ref[i])
+                                    * weights_ref[...])
+        else:
+            ddecay_ref[i] = jnp.sum(ds * s_in) + jnp.sum(dz * z_in_ref[i])
         decay = decay_ref[i]
         return ds_in_ref[i].astype(jnp.float32) + decay * ds, dz_in_ref[i] + decay * dz
 
     jax.lax.fori_loop(0, n, body, (ds_fin_ref[...], dz_fin_ref[...]))
 
 
-def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int, first: int = 0,
-                  blocks: int = 1):
+def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int,
+                  group: tuple[int, int] | None = None):
     """BlockSpecs of the per-chunk arrays ([B, Hk, slots, F(, E)], slots = N or N + 1), the
-    final states and the decays, for a group whose `blocks` feature blocks are the grid's
-    first + [0, blocks) (elsewhere clamped into the group: not read there)."""
+    final states and the decays; with group = (first, blocks), for a group whose feature
+    blocks are the grid's first + [0, blocks) (elsewhere clamped into the group: not read
+    there)."""
     bf, slots = plan.bf, n + plan.slotted
 
     def block(f):
-        return jnp.clip(f - first, 0, blocks - 1)
+        return _block_in(f, group)
 
     chunks_e = pl.BlockSpec((None, None, slots, bf, e),
                             lambda f, bh: (*split_heads(bh, hk), 0, block(f), 0))
@@ -92,6 +95,17 @@ def _prefix_specs(plan: PrefixPlan, hk: int, n: int, e: int, first: int = 0,
     final_1 = pl.BlockSpec((None, None, bf), lambda f, bh: (*split_heads(bh, hk), block(f)))
     decay = pl.BlockSpec((None, None, n), lambda f, bh: (*split_heads(bh, hk), 0))
     return chunks_e, chunks_1, final_e, final_1, decay
+
+
+def _block_in(f, group: tuple[int, int] | None):
+    """A group's own feature block at grid index f, clamped into the group (first, blocks);
+    a lone group's (None) is f itself."""
+    return f if group is None else jnp.clip(f - group[0], 0, group[1] - 1)
+
+
+def _group(firsts: list[int], g: int) -> tuple[int, int] | None:
+    """(first, blocks) of group g in the grid, or None when it is the only one."""
+    return None if len(firsts) == 2 else (firsts[g], firsts[g + 1] - firsts[g])
 
 
 def _check_slots(plan: PrefixPlan, slots: int, n: int, name: str) -> None:
@@ -170,8 +184,8 @@ def prefix_fwd(s, z, decay, plan: PrefixPlan):
 
     def group_specs(g):
         f = ss[g].shape[3]
-        chunks_e, chunks_1, final_e, final_1, _ = _prefix_specs(
-            plan, hk, n, e, firsts[g], firsts[g + 1] - firsts[g])
+        chunks_e, chunks_1, final_e, final_1, _ = _prefix_specs(plan, hk, n, e,
+                                                                _group(firsts, g))
         return ([chunks_e, chunks_1], [chunks_e, chunks_1, final_e, final_1],
                 [sds(ss[g].shape, ss[g].dtype), sds(zs[g].shape, jnp.float32),
                  sds((b, hk, f, e), jnp.float32), sds((b, hk, f), jnp.float32)])
@@ -211,15 +225,13 @@ def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan
     sds = jax.ShapeDtypeStruct
 
     def group_specs(g):
-        blocks = firsts[g + 1] - firsts[g]
-        chunks_e, chunks_1, final_e, final_1, _ = _prefix_specs(plan, hk, n, e, firsts[g],
-                                                                blocks)
-        weights_spec = pl.BlockSpec((plan.bf,), lambda f, bh: (
-            jnp.clip(f - firsts[g], 0, blocks - 1),))
+        group, blocks = _group(firsts, g), firsts[g + 1] - firsts[g]
+        chunks_e, chunks_1, final_e, final_1, _ = _prefix_specs(plan, hk, n, e, group)
+        weights_spec = pl.BlockSpec((plan.bf,), lambda f, bh: (_block_in(f, group),))
         return ([chunks_e, chunks_1, chunks_e, chunks_1, final_e, final_1,
                  *([weights_spec] if weighted else [])],
                 [chunks_e, chunks_1, pl.BlockSpec((None, None, None, n), lambda f, bh: (
-                    *split_heads(bh, hk), jnp.clip(f - firsts[g], 0, blocks - 1), 0))],
+                    *split_heads(bh, hk), _block_in(f, group), 0))],
                 [sds(ss[g].shape, ss[g].dtype), sds(zs[g].shape, jnp.float32),
                  sds((b, hk, blocks, n), jnp.float32)])
 
