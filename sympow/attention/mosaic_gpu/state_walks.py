@@ -75,13 +75,6 @@ def upper_shapes(lead: tuple[int, ...], d: int, e: int) -> list[tuple[int, ...]]
     return [(*lead, BLOCK, upper_rows(group, d), e) for group in range(d // BLOCK)]
 
 
-def stored_weights(group: int, d: int) -> list[int]:
-    """[BLOCK (D - 16 group)]: per entry of array `group` of the upper layout (row i, then
-    j), how many entries of the square state it stands for: 1 in the diagonal block (its
-    mirror is stored too), 2 right of it (its mirror is not)."""
-    return [1 if j < BLOCK else 2 for _ in range(BLOCK) for j in range(upper_rows(group, d))]
-
-
 class BlockPiece(NamedTuple):
     """Rows [first, first + rows) of a whole block S_j read from the upper layout: from
     array `group` at index j - 16 group (its held rows i >= 16 (j // 16): `mirror`

@@ -54,7 +54,6 @@ from sympow.attention.mosaic_gpu import (
     state_kernels,
     state_references,
     state_sums,
-    state_walks,
     vjps,
 )
 from sympow.attention.pallas import vjps as portable
@@ -261,7 +260,7 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     """`ChunkPrimitives.prefix_sum` of `update_state`'s states: the portable kernel (in
     place over N + 1 slots; exclusive, into a buffer of its own, for N), in one launch over
     the arrays of the upper layout, each entry weighted in g_last's cotangent by the
-    entries it stands for (`state_walks.stored_weights`); the final state gathered to the
+    entries it stands for (`state_references.upper_weights`); the final state gathered to the
     tile=1 layout."""
     upper, e = _is_upper(s), first_array(s).shape[-1]
     slotted = first_array(s).shape[2] == g_last.shape[-1] + 1
@@ -269,8 +268,10 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     # the kernel's [.., F, E] and [.., F] (B, Hk, slots lead)
     flat_s = tuple(pad_to(y.reshape(*y.shape[:3], -1, e), -1, padded_width(e)) for y in s_groups)
     flat_z = tuple(y.reshape(*y.shape[:3], -1) for y in z_groups)
-    weights = (tuple(jnp.asarray(state_walks.stored_weights(group, state_kernels.DIM), F32)
-                     for group in range(len(s_groups))) if upper else None)
+    # an entry's weight in g_last's cotangent: the square entries it stands for, its weight
+    # in the upper state_to_rows (1 in a diagonal block, 2 right of one)
+    weights = (tuple(y.reshape(-1) for y in state_references.upper_arrays(
+        state_references.upper_weights()[:, None])) if upper else None)
     features = math.gcd(PREFIX_FEATURE_BLOCK, *(y.shape[-2] for y in flat_s))  # divides each F
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(
         prefix_plan(features, config.interpret, slotted), flat_s, flat_z, g_last, weights)
