@@ -115,10 +115,15 @@ def _check_slots(plan: PrefixPlan, slots: int, n: int, name: str) -> None:
                          f"{slots}")
 
 
+def _listed(x, grouped: bool) -> list:
+    """An argument's groups as a list (one group when not grouped)."""
+    return list(x) if grouped else [x]
+
+
 def _groups(name: str, s, plan: PrefixPlan) -> tuple[list, list[int]]:
     """s as a list of groups [B, Hk, slots, F_g, E] and each group's first feature block in
     the grid (one more: the grid's length)."""
-    groups = list(s) if isinstance(s, (tuple, list)) else [s]
+    groups = _listed(s, isinstance(s, (tuple, list)))
     shapes = [g.shape for g in groups]
     if any(sh[:3] + sh[4:] != shapes[0][:3] + shapes[0][4:] or sh[3] % plan.bf
            for sh in shapes):
@@ -176,7 +181,7 @@ def prefix_fwd(s, z, decay, plan: PrefixPlan):
     """
     grouped = isinstance(s, (tuple, list))
     ss, firsts = _groups("s", s, plan)
-    zs = list(z) if grouped else [z]
+    zs = _listed(z, grouped)
     b, hk, slots, _, e = ss[0].shape
     n = decay.shape[-1]
     _check_slots(plan, slots, n, "s")
@@ -211,9 +216,9 @@ def prefix_bwd(s_in, z_in, decay, ds_in, dz_in, ds_fin, dz_fin, plan: PrefixPlan
     upper layout of a symmetric state: w = 2 for a pair (i, j), (j, i) stored once)."""
     grouped = isinstance(s_in, (tuple, list))
     ss, firsts = _groups("s_in", s_in, plan)
-    as_list = (lambda y: list(y)) if grouped else (lambda y: [y])  # noqa: E731
-    zs, dss, dzs, ds_fins, dz_fins = map(as_list, (z_in, ds_in, dz_in, ds_fin, dz_fin))
-    ws = None if weights is None else as_list(weights)
+    zs, dss, dzs, ds_fins, dz_fins = (_listed(x, grouped)
+                                      for x in (z_in, ds_in, dz_in, ds_fin, dz_fin))
+    ws = None if weights is None else _listed(weights, grouped)
     b, hk, slots, _, e = ss[0].shape
     n = decay.shape[-1]
     _check_slots(plan, slots, n, "s_in")
