@@ -35,7 +35,7 @@ _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
 _IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS, each optionally "
                            "with ':algorithm' (e.g. pallas:attention) and '@NAME=value;...' "
                            "settings of the Hopper state primitives (sympow.attention."
-                           "mosaic_gpu.states, e.g. @NORMALIZER_ALGORITHM=HIGHEST), and "
+                           "mosaic_gpu.states, e.g. @COLUMNS_DTYPE=float32), and "
                            "'cudnn' (default: the kernel rows of the table, cudnn, xla)")
 _P = flags.DEFINE_integer("p", 2, "the power of the sympow cases")
 _REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")

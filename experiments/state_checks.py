@@ -26,7 +26,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     it over the upper blocks as the tier does (y, y and den with the normalizer) and over
     whole blocks (their lower rows from the mirrors: y, g), row_gradients (dx, dls with
     the normalizer), each against its definition on the same stored entries
-    (`_stored_upper`)."""
+    (`_stored_upper`), and y rounded to bf16 in the kernel as the tier's da is
+    (`y_bf16_stored_upper`); last the normalizer sums (`gram.weighted_gram`, a Triton kernel)
+    against float64, float32-accurate (`check_gram`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -129,7 +131,12 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                  sr.state_to_rows_reference(a, col, stored, transposed=True, slot_offset=1)),
                 *zip(sk.row_gradients(a, x, col, stored, slot_offset=1, normalizer=norm),
                      sr.row_gradients_reference(a, x, col, stored, slot_offset=1,
-                                                normalizer=norm), strict=True)]
+                                                normalizer=norm), strict=True),
+                # the update side's da as the tier takes it: rounded to bf16 in the kernel
+                (sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1,
+                                  out_dtype=jnp.bfloat16, **tier),
+                 sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
+                                            upper=True))]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
@@ -138,18 +145,59 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
              "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
              "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
-             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper")
+             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper")
 
     def flat(value):  # an output or a tuple of them (the upper layout) as one float64 vector
         return np.concatenate([np.ravel(np.asarray(v, np.float64))
                                for v in jax.tree.leaves(value)])
 
     for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
+        # a bf16 row must leave the kernel in bf16
+        dtype_ok = "bf16" not in name or got.dtype == jnp.bfloat16
         got, want = flat(got), flat(want)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         zero = scales == "full" and not np.any(got)  # every row scaled to 0: exactly 0
         # den: float32-accurate products of the bf16 rows with Z's parts
         tol = 1e-5 if name.startswith("den") else 1e-2
-        ok = bool(np.all(np.isfinite(got))) and (zero if scales == "full" else err <= tol)
+        ok = (dtype_ok and bool(np.all(np.isfinite(got)))
+              and (zero if scales == "full" else err <= tol))
         rows.append((name, err, "exact 0" if scales == "full" else f"tol {tol:g}", ok))
+    rows.append(check_gram(x, weights, hk, scales))
     return rows
+
+
+def check_gram(x, weights, kv_heads: int, scales: str):
+    """The row (output, err, note, ok) of the normalizer sums (gram.weighted_gram) against
+    float64: the largest error of an entry over its scale (the sum of the terms'
+    magnitudes), at most 1e-6 or twice that of the XLA product it replaced (an einsum of
+    BF16_BF16_F32_X6; the note also gives a float32 HIGHEST einsum's); every weight 0
+    (scales "full") must give exactly 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sympow.attention.mosaic_gpu import gram
+
+    b, hx, n, _, d = x.shape
+
+    def per_group(g):  # [B, Hx, N, d, d] summed over each kv group's heads
+        return g.reshape(b, kv_heads, hx // kv_heads, n, d, d).sum(axis=2)
+
+    def xla(precision):
+        return per_group(jnp.einsum("bhnci,bhncj->bhnij",
+                                    x.astype(jnp.float32) * weights[..., None],
+                                    x.astype(jnp.float32), precision=precision))
+
+    got, x6, f32 = jax.jit(lambda: (gram.weighted_gram(x, weights, kv_heads=kv_heads),
+                                    xla(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6),
+                                    xla(jax.lax.Precision.HIGHEST)))()
+    x64, w64 = np.asarray(x, np.float64), np.asarray(weights, np.float64)[..., None]
+    want = per_group(np.einsum("bhnci,bhncj->bhnij", w64 * x64, x64))
+    scale = np.maximum(per_group(np.einsum("bhnci,bhncj->bhnij", np.abs(w64 * x64),
+                                           np.abs(x64))), 1e-300)
+    err, err_x6, err_f32 = (float(np.max(np.abs(np.asarray(g, np.float64) - want) / scale))
+                            for g in (got, x6, f32))
+    if scales == "full":
+        return "gram", err, "exact 0", not np.any(np.asarray(got))
+    ok = bool(np.all(np.isfinite(np.asarray(got)))) and err <= max(1e-6, 2 * err_x6)
+    return "gram", err, f"x6 {err_x6:.2e} f32 {err_f32:.2e}", ok

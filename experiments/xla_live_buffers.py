@@ -12,7 +12,8 @@ value live from the instruction that defines it to its last use, following its a
 (bitcasts, get-tuple-elements, `%name#i` tuple operands, and outputs written in place over
 an operand, `output_to_operand_aliasing`, which are one buffer), and prints the live
 megabytes at each custom call (the kernels) and the buffers alive at the peak (and at the
-schedule positions --at names). Values under
+schedule positions --at names, and at the --top_calls custom calls with the most live
+megabytes). Values under
 --min_mib are left out; the heap XLA lays out can exceed the peak printed here by its
 fragmentation.
 """
@@ -29,6 +30,8 @@ _DUMP = flags.DEFINE_string("dump", None, "the --xla_dump_to directory (one modu
 _MIN_MIB = flags.DEFINE_float("min_mib", 8.0, "leave out values smaller than this")
 _AT = flags.DEFINE_list("at", [], "schedule positions whose live buffers to list too (the "
                         "peak's always are)")
+_TOP_CALLS = flags.DEFINE_integer("top_calls", 0, "also list the live buffers at this many "
+                                  "custom calls, those with the most live MiB")
 
 INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*)$")
 OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
@@ -123,13 +126,15 @@ def live_at(buffers: list[Buffer], position: int) -> list[Buffer]:
     return [b for b in buffers if b.start <= position <= b.end]
 
 
-def report(dump: str, min_mib: float, at: tuple[int, ...] = ()) -> str:
+def report(dump: str, min_mib: float, at: tuple[int, ...] = (), top_calls: int = 0) -> str:
     (hlo,) = glob.glob(str(Path(dump) / "*after_optimizations.txt"))
     (assignment,) = glob.glob(str(Path(dump) / "*after_optimizations-buffer-assignment.txt"))
     schedule = entry_schedule(Path(hlo).read_text())
     buffers, calls = live_buffers(schedule, temporaries(Path(assignment).read_text(), min_mib))
     total = lambda p: sum(b.mib for b in live_at(buffers, p))  # noqa: E731
     peak = max(range(len(schedule)), key=total)
+    busiest = sorted((p for p, _ in calls), key=total, reverse=True)[:top_calls]
+    at = tuple(dict.fromkeys(p for p in (*at, *sorted(busiest)) if p != peak))
     lines = [f"live MiB of the temporaries >= {min_mib:g} MiB at each custom call:"]
     lines += [f"{p:5d} {total(p):8.1f}  {name}" for p, name in calls]
     for position in (*at, peak):
@@ -146,7 +151,8 @@ def main(argv):
     del argv
     if not _DUMP.value:
         sys.exit("--dump is required: the --xla_dump_to directory")
-    print(report(_DUMP.value, _MIN_MIB.value, tuple(int(p) for p in _AT.value)))
+    print(report(_DUMP.value, _MIN_MIB.value, tuple(int(p) for p in _AT.value),
+                 _TOP_CALLS.value))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from tests.configs.test_probes import run
 SCRIPT = """
 import sys
 sys.path.insert(0, "experiments")
+import functools
 import numpy as np
 import state_checks
+from sympow.attention.mosaic_gpu import gram
 from sympow.attention.mosaic_gpu import state_kernels as sk
 from sympow.attention.mosaic_gpu import state_sums as ss
 from sympow.attention.mosaic_gpu import state_references as sr
@@ -24,6 +26,7 @@ def without(*names):
 ss.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_reference)
 sk.state_to_rows = without("chunks_per_program", "stages")(sr.state_to_rows_reference)
 sk.row_gradients = without("chunks_per_program", "stages")(sr.row_gradients_reference)
+gram.weighted_gram = functools.partial(gram.weighted_gram, interpret=True)
 for scales in ("ordinary", "full"):
     rows = state_checks.check_state_kernels(np.random.default_rng(0), 1, 4, 2, 3, 128, 64, scales)
     print(scales, [(name, ok) for name, _, _, ok in rows])
@@ -39,6 +42,7 @@ def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
              "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
              "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
-             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper"]
+             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper",
+             "gram"]
     for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
         assert line == f"{scales} {[(name, True) for name in names]}", line

@@ -71,6 +71,10 @@ def test_live_ranges_follow_aliases_and_count_an_in_place_output_once(tmp_path):
     at_k2 = run(f"--dump={tmp_path}", "--min_mib=1", "--at=5").split("peak ")[0]
     assert "live 50.0 MiB at position 5: %d = " in at_k2
     assert re.findall(r"MiB \[\s*\d+,\s*\d+\] \S+  (.+)$", at_k2, re.M) == ["a t{0}", "c"]
+    # --top_calls=1: the custom call with the most live MiB (k1, 60) is listed too
+    top = run(f"--dump={tmp_path}", "--min_mib=1", "--top_calls=1").split("peak ")[0]
+    assert "live 60.0 MiB at position 2: %t = " in top and "position 5" not in top
+    assert re.findall(r"MiB \[\s*\d+,\s*\d+\] \S+  (.+)$", top, re.M) == ["a t{0}", "t{1}"]
 
 
 def test_a_cpu_compilation_fits_its_own_heap(tmp_path):

@@ -137,10 +137,13 @@ class Normalizer(NamedTuple):
 
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
                   stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1,
-                  upper: bool = False, packed: bool = False, pipelined: bool = False):
-    """Float32 [B, Hx, N, C, W']: out_r = sum_i col[i, r] rows_r S_i, or with `transposed`
-    out_r = sum_i col[i, r] rows_r S_i^T. With a `normalizer` (not transposed) also
-    den [B, Hx, N, C] float32, den_r = w_r rows_r^T Z rows_r: (out, den).
+                  upper: bool = False, packed: bool = False, pipelined: bool = False,
+                  out_dtype=F32):
+    """[B, Hx, N, C, W'] in out_dtype (float32, or bfloat16: the float32 sums rounded in
+    the epilogue, as XLA's cast would round them, at half the bytes written and held):
+    out_r = sum_i col[i, r] rows_r S_i, or with `transposed` out_r = sum_i col[i, r]
+    rows_r S_i^T. With a `normalizer` (not transposed) also den [B, Hx, N, C] float32,
+    den_r = w_r rows_r^T Z rows_r: (out, den).
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
     [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
@@ -174,10 +177,12 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
                          f"{transposed}, chunks_per_program={chunks_per_program})")
     if packed and not upper:
         raise ValueError("packed: the upper blocks' ring (upper=True) packs its short blocks")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(F32), jnp.dtype(BF16)):
+        raise ValueError(f"out_dtype must be float32 or bfloat16; got {jnp.dtype(out_dtype)}")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
                           segments=upper_segments(col.shape[-2], packed) if upper else None,
-                          pipelined=pipelined)
+                          pipelined=pipelined, out_dtype=jnp.dtype(out_dtype))
 
 
 def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
@@ -195,15 +200,15 @@ def row_gradients(a, x, col, s, *, normalizer: Normalizer | None = None,
     """
     return _state_to_rows(a, col, s, x, normalizer, transposed=True, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
-                          segments=None, pipelined=pipelined)
+                          segments=None, pipelined=pipelined, out_dtype=jnp.dtype(BF16))
 
 
 def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int | None,
                    slot_offset: int, chunks_per_program: int,
-                   segments: list[UpperSegment] | None, pipelined: bool):
-    """`state_to_rows`, or with x given (transposed) `row_gradients`; with a normalizer, the
-    quadratic form of its Z against the rows x (three products with Z's parts per block of
-    rows, after the state's) in the epilogue."""
+                   segments: list[UpperSegment] | None, pipelined: bool, out_dtype):
+    """`state_to_rows`, or with x given (transposed) `row_gradients` (out_dtype bf16); with
+    a normalizer, the quadratic form of its Z against the rows x (three products with Z's
+    parts per block of rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
     d = col.shape[-2]
     stored_upper = isinstance(s, (tuple, list))  # the upper layout: one array per group
@@ -234,7 +239,6 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False)]
     own_specs += [((rows_per_wg, d), BF16, True)] if gradient else []
     own_specs += [((rows_per_wg,), F32, False)] if quadratic else []  # the weights w
-    out_dtype = BF16 if gradient else F32
     out_type = [jax.ShapeDtypeStruct((b, hx, n, c, width), out_dtype)]
     out_scratch = [swizzled((COMPUTE_WGS, rows_per_wg, width), out_dtype)]
     if gradient or quadratic:  # dls, or den: one float32 per row
@@ -368,7 +372,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                 elif quadratic:  # den = w x^T Z x
                     rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)
                     outs[1].at[wg, r][...] = weights * jnp.sum(xz * rows_x, axis=1)
-                outs[0].at[wg, r][...] = acc
+                outs[0].at[wg, r][...] = acc.astype(out_dtype)
             plgpu.commit_smem()
             for buf, out_ref in zip(outs, out_refs, strict=True):
                 plgpu.copy_smem_to_gmem(buf.at[wg], out_ref.at[bi, h, chunk, mine])

@@ -53,10 +53,11 @@ def row_gradients_reference(a, x, col, s, *, normalizer: Normalizer | None = Non
 
 def state_to_rows_reference(rows, col, s, *, transposed: bool,
                             normalizer: Normalizer | None = None, slot_offset: int = 0,
-                            upper: bool = False, packed: bool = False, pipelined: bool = False):
+                            upper: bool = False, packed: bool = False, pipelined: bool = False,
+                            out_dtype=F32):
     """packed and pipelined change the kernel's ring walk and the order it issues its
     products in, not its sum: taken and unused here. s: square, or a tuple in the upper
-    layout (`upper_arrays`)."""
+    layout (`upper_arrays`). out (not den) in out_dtype, rounded from float32."""
     del packed, pipelined
     s = square_of_upper(s) if isinstance(s, (tuple, list)) else s
     b, hx, n, c, _ = rows.shape
@@ -67,7 +68,7 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
     blocks = jnp.repeat(s.astype(F32).reshape(b, hk, n, d, d, -1), hx // hk, axis=1)
     spec = "bhnrw,bhnir,bhnijw->bhnrj" if transposed else "bhnrw,bhnir,bhniwe->bhnre"
     out = jnp.einsum(spec, rows.astype(F32), col.astype(F32), blocks,
-                     precision=lax.Precision.HIGHEST)
+                     precision=lax.Precision.HIGHEST).astype(out_dtype)
     if normalizer is None:
         return out
     xz = quadratic_product_reference(rows, normalizer)

@@ -13,9 +13,9 @@ work, each a `jax.custom_vjp` whose forward and backward are the Mosaic GPU kern
 The normalizer rides on the kernels as a quadratic form (p = 2: phi(u) . z = u^T Z u with Z
 the symmetric d x d block of z): `state_to_rows` returns den = e^(2 ls) x^T Z x beside y
 and `row_gradients` adds 2 w Z x to the row gradient, Z in three bf16 parts (float32-
-accurate products). Only the gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's
-z cotangent stay float32 XLA products (on the tensor cores as bf16 parts:
-`NORMALIZER_ALGORITHM`); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
+accurate products). The gram sums z = sum_r e^(2 ls_r) x_r x_r^T and the query side's z
+cotangent are `gram.weighted_gram` (a Triton kernel: float32-accurate from the bf16 rows,
+no float32 copy of them); the combine with the intra-chunk (o, den, m) is `chunked.combine`.
 The states are stored in the upper layout (STORED_UPPER; `state_walks.upper_shapes`: the
 entries (i, j), j >= 16 (i // 16), one array per 16 rows i, 62.5 % of the square bytes; z
 alike), or square. The prefix sum is the portable tier's kernel (it sees only F; one launch
@@ -45,12 +45,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import (
     blocks,
+    gram,
     state_kernels,
     state_references,
     state_sums,
@@ -63,11 +63,6 @@ from sympow.attention.pallas.primitives import pad_to
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 P = 2  # the square layout is phi for p = 2
-# The gram sums' algorithm (a `lax.DotAlgorithmPreset` name, or a
-# `lax.Precision` one): each float32 operand as three bf16 parts, six tensor-core products,
-# float32-accurate. XLA runs Precision.HIGHEST as float32 SIMT GEMMs: 0.88 ms of the 8.2
-# busy ms of the T = 65,536, H = 8 call on an H100 (docs/kernels.md).
-NORMALIZER_ALGORITHM = "BF16_BF16_F32_X6"
 # col's dtype in device memory: the kernels round it to bf16 where the tensor cores take
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
@@ -126,12 +121,6 @@ def columns(x, ls):
     return col.astype(COLUMNS_DTYPE)
 
 
-def normalizer_precision():
-    """NORMALIZER_ALGORITHM as the `precision` of an einsum."""
-    preset = getattr(lax.DotAlgorithmPreset, NORMALIZER_ALGORITHM, None)
-    return preset if preset is not None else lax.Precision[NORMALIZER_ALGORITHM]
-
-
 def _kernel_width(e: int) -> int:
     return max(min(blocks.WIDTHS), padded_width(e))
 
@@ -160,14 +149,16 @@ def _state_of_rows_bwd(kv_heads, upper, res, cotangents):
     ds, dz = cotangents
     ds = _each(lambda y: y.astype(BF16), ds)
     col = columns(x, ls)
+    # da in a's dtype from the kernel: a float32 da (128 MiB at T = 65,536, H = 8) waited
+    # for the attention backward's dv, alive at the call's peak
     da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1,
-                                     **_upper_options())
+                                     out_dtype=a.dtype, **_upper_options())
     # z's cotangent enters the row gradients as the quadratic form's Z (w = e^(2 ls)).
     dz = square(dz, values=False) if upper else dz
     dx, dls = state_kernels.row_gradients(
         a, x, col, ds, slot_offset=1,
         normalizer=state_kernels.Normalizer(z_parts(dz[:, :, 1:]), jnp.exp(P * ls)))
-    return dx, dls, da.astype(a.dtype)
+    return dx, dls, da
 
 
 state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
@@ -219,16 +210,10 @@ def z_parts(z):
 
 def _weighted_gram(x, weights, kv_heads: int):
     """[B, Hk, N, d^2] float32: sum over the rows r and the heads of a group of
-    w_r x_r x_r^T (= sum_r phi(u_r) for w = e^(2 ls)), on the tensor cores as bf16 parts
-    (`NORMALIZER_ALGORITHM`). The bf16 rows themselves (exact in float32) with the scale
-    outside the product, not u = x e^ls: XLA then reads bf16 rows already in device memory
-    (the x^T rows_to_state reads), where it wrote a float32 u beside col and ran every
-    product on that copy."""
-    x = x.astype(F32)
-    g = jnp.einsum("bhnci,bhncj->bhnij", x * weights[..., None], x,
-                   precision=normalizer_precision())
-    b, hx, n = g.shape[:3]
-    return g.reshape(b, kv_heads, hx // kv_heads, n, -1).sum(axis=2)
+    w_r x_r x_r^T (= sum_r phi(u_r) for w = e^(2 ls)), from the bf16 rows x [B, Hx, N, C, d]
+    (`gram.weighted_gram`)."""
+    g = gram.weighted_gram(x, weights, kv_heads=kv_heads)
+    return g.reshape(*g.shape[:3], -1)
 
 
 def update_state(k, v, tail):

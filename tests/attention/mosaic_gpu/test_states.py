@@ -24,6 +24,7 @@ from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import (
     blocks,
+    gram,
     state_kernels,
     state_references,
     state_sums,
@@ -53,7 +54,14 @@ def definitions(monkeypatch):
     monkeypatch.setattr(state_sums, "rows_to_state", state_references.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "state_to_rows", state_references.state_to_rows_reference)
     monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
+    interpret_gram(monkeypatch)
     monkeypatch.setattr(states, "unsupported", lambda *_: None)
+
+
+def interpret_gram(monkeypatch):
+    """The gram sums' Triton kernel in the Pallas interpreter (the CPU's)."""
+    monkeypatch.setattr(gram, "weighted_gram", functools.partial(gram.weighted_gram,
+                                                                 interpret=True))
 
 
 @pytest.mark.parametrize(("hq", "hk", "e", "col_dtype"), [(2, 2, 64, BF16), (4, 2, 128, BF16),
@@ -71,6 +79,13 @@ def test_the_kernels_lower_to_one_mosaic_gpu_kernel_each(hq, hk, e, col_dtype):
                        ((b, hk, n, D * D, e), BF16))
         assert text.count("@mosaic_gpu") == 1
         assert f"tensor<{b}x{hq}x{n}x{c}x{out}xf32>" in text
+    # out_dtype=bf16 (the update side's da): the kernel's output itself, no cast after it
+    text = lowered(lambda *x: state_kernels.state_to_rows(*x, transposed=False,
+                                                          out_dtype=BF16),
+                   ((b, hq, n, c, D), BF16), ((b, hq, n, D, c), col_dtype),
+                   ((b, hk, n, D * D, e), BF16))
+    assert text.count("@mosaic_gpu") == 1 and "stablehlo.convert" not in text
+    assert f"-> tensor<{b}x{hq}x{n}x{c}x{e}xbf16>" in text
     grads = lowered(state_kernels.row_gradients, ((b, hq, n, c, e), BF16),
                     ((b, hq, n, c, D), BF16), ((b, hq, n, D, c), col_dtype),
                     ((b, hk, n, D * D, e), BF16))
@@ -348,7 +363,8 @@ def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypa
     """upper=True: one Mosaic GPU kernel of the same outputs, its ring two [64, E] tiles a
     slot swizzled at 32 bytes (K = 16 slices), both on one barrier, which takes a copy per
     block a step (2; packed: up to 8, the last rows' blocks four to a tile); the transposed
-    product, several chunks a program and packed without upper are refused by name."""
+    product, several chunks a program, packed without upper and an out_dtype other than
+    float32 or bfloat16 are refused by name."""
     specs = []
     real_scratch = state_kernels.Ring.scratch
     monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
@@ -375,6 +391,9 @@ def test_state_to_rows_over_the_upper_blocks_lowers_with_a_tile_a_block(monkeypa
                                     chunks_per_program=2)
     with pytest.raises(ValueError, match="packed: the upper blocks' ring"):
         state_kernels.state_to_rows(*zeros, transposed=False, slot_offset=1, packed=True)
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16; got float16"):
+        state_kernels.state_to_rows(*zeros, transposed=False, slot_offset=1,
+                                    out_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -414,7 +433,8 @@ def test_the_tier_reads_the_upper_blocks_where_it_multiplies_by_a_state(monkeypa
                         or state_references.state_to_rows_reference(*a, **kw))
     monkeypatch.setattr(state_sums, "rows_to_state", state_references.rows_to_state_reference)
     monkeypatch.setattr(state_kernels, "row_gradients", state_references.row_gradients_reference)
-    b, h, n, c, e = 1, 2, 2, 8, 16
+    interpret_gram(monkeypatch)
+    b, h, n, c, e = 1, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
     x = jnp.asarray(rng.normal(size=(b, h, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, h, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, h, n, c, e)), BF16)
@@ -521,7 +541,7 @@ def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
 
 
 def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
@@ -572,7 +592,7 @@ def test_the_parts_of_z_sum_to_z(rng):
 def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
     """den_r = w_r x_r^T Z x_r is c_r phi(u_r) . z for w = c e^(2 ls); row_gradients adds its
     gradient (and its share of the ls cotangent) to the state's."""
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
@@ -607,7 +627,7 @@ def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
 def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng, upper):
     """Square or in the upper layout (`upper`: states and their cotangents alike, a stored
     entry's cotangent that of the symmetric square's entry)."""
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), BF16)
