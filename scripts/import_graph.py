@@ -35,7 +35,7 @@ LAYERS = (
     "sympow.attention.pallas",
     # The Hopper tier builds on the portable one (its backward, plans and wrappers).
     "sympow.attention.mosaic_gpu.blocks", "sympow.attention.mosaic_gpu.weights",
-    "sympow.attention.mosaic_gpu.attention_kernels", "sympow.attention.mosaic_gpu.dq_epilogue",
+    "sympow.attention.mosaic_gpu.attention_kernels",
     "sympow.attention.mosaic_gpu.gram",
     "sympow.attention.mosaic_gpu.backward_kernel",
     "sympow.attention.mosaic_gpu.vjps", "sympow.attention.mosaic_gpu.state_walks",

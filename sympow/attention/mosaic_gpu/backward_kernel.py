@@ -12,10 +12,15 @@ reduction_op="add")`): every key block adds into every later query block.
 The gate cotangent's pieces (`chunked.block_gate_cotangent`) come without a sum across the
 tile's rows per query (they span warps):
 - dhead_i (dl summed over the keys of earlier blocks) = q_i . dQ_off_i / p, since
-  dl_ij = ds_ij s_ij / p and s_ij = q_i . k_j: so the off-diagonal partials are reduced
-  into their own array, the diagonal blocks' (each query block's diagonal is one
-  warpgroup's step) stored plainly beside it, and XLA forms dhead from the first
-  (`assemble`); dhead thus carries ds's bf16 rounding, as dq does;
+  dl_ij = ds_ij s_ij / p and s_ij = q_i . k_j, with dQ_off the off-diagonal partials. In
+  chunk layout each off-diagonal step forms q_i . (ds^T K)_i from the query tile it
+  holds and reduces it into a float32 [B, Hq, N, C] beside dQ, and every partial, the
+  diagonal blocks' too (each query block's diagonal is one warpgroup's step), is reduced
+  into one float32 dQ; in token layout the diagonal blocks' partials are stored apart
+  and XLA forms dhead from dQ_off (`assemble`). (Until 2026-11-27 both layouts stored
+  them apart: a second float32 array of q's size, 128 MiB at the chunked call's peak at
+  T = 65,536, H = 8; q . dQ less the diagonal's share instead left rounding noise where
+  dhead is exactly 0, under full decay.) dhead carries ds's bf16 rounding, as dq does;
 - dtail_j (dl summed over the queries of later blocks): the row sums, in registers;
 - the block-pair totals: each step's row sums pass through shared memory into the columns'
   layout (which every warp holds whole) behind the barrier the dQ partial's stage takes
@@ -45,7 +50,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sympow.attention.mosaic_gpu import dq_epilogue
 from sympow.attention.mosaic_gpu.blocks import (
     COL_VECTOR,
     COMPUTE_REGISTERS,
@@ -56,6 +60,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     ROWS,
     TILE_ROWS,
     VECTOR,
+    WGMMA,
     Ring,
     block_totals,
     by_cols,
@@ -83,9 +88,14 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref, c_ref,
-                     do_ref, dden_ref, dq_off_ref, dk_ref, dv_ref, dtail_ref, dq_diag_ref,
-                     diag_ref, pairs_ref, own, own_bars, ring_arrays, ring_loaded, ring_freed,
-                     walk_done, out, *, p, groups, tiles):
+                     do_ref, dden_ref, dq_ref, *refs, p, groups, tiles, diagonal_apart):
+    # diagonal_apart: the diagonal blocks' partials stored to an output of their own (dhead
+    # then q . dQ_off outside); else q . dQ_off reduced here, into an input after dQ
+    if diagonal_apart:
+        q_dq_ref, (dk_ref, dv_ref, dtail_ref, dq_diag_ref, diag_ref, pairs_ref) = None, refs[:6]
+    else:
+        dq_diag_ref, (q_dq_ref, dk_ref, dv_ref, dtail_ref, diag_ref, pairs_ref) = None, refs[:6]
+    own, own_bars, ring_arrays, ring_loaded, ring_freed, walk_done, out = refs[6:]
     b, hk, n, tile_, wg = program_position(heads_of(k_ref))
     chunk = tiles * TILE_ROWS
     blocks = tiles * COMPUTE_WGS
@@ -100,7 +110,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         k_smem, v_smem, a_smem, tl_smem, ones_smem = own
         dtail_smem = out[0]  # [COMPUTE_WGS, ROWS], for `store_own`
-        ds_smem, stage_smem, rows_smem, pair_smem = (x.at[wg] for x in out[1:])
+        ds_smem, stage_smem, rows_smem, pair_smem, *q_dq_smem = (x.at[wg] for x in out[1:])
         rows_of = pl.ds(block * ROWS, ROWS)
         mine = (b, hk, n, rows_of)
         load_own([(rows_at(k_ref, *mine, chunk), k_smem), (rows_at(v_ref, *mine, chunk), v_smem),
@@ -178,10 +188,24 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's last store
             plgpu.commit_smem()
             dv, dk, parts = products(dv, dk, w.astype(BF16), ds, q_smem, do_smem)
+            if not (on_diagonal or diagonal_apart):  # q_i . (ds^T K)_i from q's tile: this
+                # pair's share of dhead
+                q_dq = sum(jnp.sum(plgpu.load(
+                    q_smem if d == ROWS else q_smem.at[:, pl.ds(index * ROWS, ROWS)], (),
+                    layout=WGMMA).astype(F32) * part, axis=1)
+                    for index, part in enumerate(parts))
             ring.release(slot)
-            if on_diagonal:  # this block's own queries: stored, not reduced (one visit each)
-                store_partials(parts, lambda cols_: rows_at(dq_diag_ref, *queries, chunk, cols_),
-                               None)
+
+            def reduce_partials():  # into dQ, every key block's alike
+                store_partials(parts, lambda cols_: rows_at(dq_ref, *queries, chunk, cols_),
+                               "add")
+
+            if on_diagonal:  # this block's own queries (one visit each)
+                if diagonal_apart:
+                    store_partials(parts, lambda cols_: rows_at(dq_diag_ref, *queries, chunk,
+                                                                cols_), None)
+                else:
+                    reduce_partials()
                 # its dl [keys, queries] in bf16 for the straddle sums (`straddle_sums`, by
                 # XLA: one more product here, even with both operands in shared memory, made
                 # ptxas serialize every wgmma of the kernel and spill; 14.84 against 13.1 ms
@@ -194,8 +218,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
                 return dk, dv, dtail, mid
             row_sums = dl.sum(axis=1)  # [keys]: this pair's share of dtail and its total
             rows_smem[...] = row_sums  # visible after the stage's barrier
-            store_partials(parts, lambda cols_: rows_at(dq_off_ref, *queries, chunk, cols_),
-                           "add")
+            if not diagonal_apart:
+                q_dq_smem[0][...] = q_dq  # read by the copy below, after the stage's barrier
+            reduce_partials()
+            if not diagonal_apart:
+                plgpu.copy_smem_to_gmem(q_dq_smem[0], q_dq_ref.at[queries], reduction_op="add")
             column = start * groups + step  # the pair's column: query block * R + head
             slot_of_pair = lax.rem(column, ROWS)
             # the pair's total, a sum across the warpgroup's four warps: the row sums in
@@ -258,7 +285,13 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     (`straddle_sums` of the blocks' dl, which the kernel stores in bf16); pairs
     [B,Hq,N,C/ROWS,C/ROWS] float32: [I, J] the total of dl over the block pair for J < I,
     unwritten for J >= I (the caller masks them). The wide arrays (q, k, v, do and dq, dk,
-    dv) may all come in token layout [B, T, H, W] instead (`blocks.in_tokens`)."""
+    dv) may all come in token layout [B, T, H, W] instead (`blocks.in_tokens`).
+
+    dhead: in chunk layout (the chunked algorithm) the kernel reduces q_i . dQ_off_i per
+    query as it goes and every dQ partial into one float32 dQ; in token layout (the
+    attention form) it stores the diagonal blocks' partials apart and dhead is q . dQ_off
+    by XLA: the per-step products cost the form's backward 6 % at T = 4k, H = 12 (5.72
+    against 6.06 ms, H200), and there the second float32 array is not at the peak."""
     b, hk, n, c = a.shape
     hq, d, e = heads_of(q), q.shape[-1], v.shape[-1]
     groups, tiles, blocks = hq // hk, c // TILE_ROWS, c // ROWS
@@ -270,26 +303,34 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     # the TMA reductions' target: zeros of this call (not a copy of a shared constant), made
     # from do: zeros of q were ready in the forward, where XLA filled them, and the 128 MiB
     # (T = 65,536, H = 8) lived through the whole state backward (peak 1.41 -> 1.31 GiB)
-    dq_off = jax.new_ref(zeros_of_call(q.shape, F32, like=do))
-    dk, dv, dtail, dq_diag, diagonal, pairs = launch(
-        lambda *refs: _backward_kernel(*refs, p=p, groups=groups, tiles=tiles),
+    dq = jax.new_ref(zeros_of_call(q.shape, F32, like=do))
+    apart = in_tokens(q)
+    # per query: q . dQ_off (reduced, as dQ), or the diagonal blocks' partials (stored)
+    partial = (jax.ShapeDtypeStruct(q.shape, F32) if apart
+               else jax.new_ref(zeros_of_call((b, hq, n, c), F32, like=do)))
+    dk, dv, dtail, *apart_out, diagonal, pairs = launch(
+        lambda *refs: _backward_kernel(*refs, p=p, groups=groups, tiles=tiles,
+                                       diagonal_apart=apart),
         name="sympow_attention_bwd",
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype),
                   jax.ShapeDtypeStruct((b, hk, n, c), F32),
-                  jax.ShapeDtypeStruct(q.shape, F32),
+                  *([partial] if apart else []),
                   jax.ShapeDtypeStruct((b, hq, n, c, ROWS), BF16),
                   jax.ShapeDtypeStruct((b, hk, n, blocks, columns), F32)],
         scratch=(own_scratch(tile(d), tile(e), VECTOR, VECTOR, tile(ROWS)), bars,
                  *Ring.scratch([tile(d), tile(e), VECTOR, VECTOR, VECTOR, VECTOR], stages),
                  plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=COMPUTE_WGS),
                  # dtail, ds (bf16; on the diagonal then dl), the stage of the dQ partials,
-                 # a step's row sums, the pair totals of up to ROWS steps (dk and dv leave
-                 # through the ring's q and dO slots)
-                 own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR)),
+                 # a step's row sums, the pair totals of up to ROWS steps, a step's q . dQ
+                 # partial (dk and dv leave through the ring's q and dO slots)
+                 own_scratch(VECTOR, tile(ROWS), tile(ROWS, F32), VECTOR, VECTOR,
+                             *([] if apart else [VECTOR]))),
         grid=(n, b * hk, tiles), grid_names=("chunk", "bh", "tile"),
-        args=(q, k, v, a, head, tail, block_totals(a), m, scales, do, dden, dq_off))
-    return assemble(q, dq_off[...], dq_diag, diagonal, pairs, p=p), (dk, dv, dtail)
+        args=(q, k, v, a, head, tail, block_totals(a), m, scales, do, dden, dq,
+              *([] if apart else [partial])))
+    partial = apart_out[0] if apart else partial[...]
+    return assemble(q, dq[...], partial, diagonal, pairs, p=p), (dk, dv, dtail)
 
 
 def straddle_sums(diagonal):
@@ -316,31 +357,26 @@ def straddle_matrix() -> np.ndarray:
     return ((j < kk) & (kk <= i)).reshape(ROWS * ROWS, ROWS).astype(np.float32)
 
 
-def assemble(q, dq_off, dq_diag, diagonal, pairs, *, p: int, interpret: bool = False):
+def assemble(q, dq, partial, diagonal, pairs, *, p: int):
     """(dq, dhead, ddiag, pairs) as `attention_bwd` returns them, from the kernel's outputs:
-    dq_off and dq_diag [B,Hq,N,C,D] float32 (the partials ds^T K reduced over the key blocks
-    below each query block, and the diagonal blocks'; or both [B,T,Hq,D], q's layout),
-    diagonal [B,Hq,N,C,ROWS] bfloat16 (`straddle_sums`), pairs [B,Hk,N,C/ROWS,P]
-    float32 ([J, I * R + head] the total of dl over a block pair, R query heads a kv head,
-    P >= R C/ROWS). dhead_i = q_i . dQ_off_i / p: dl_ij = ds_ij s_ij / p with
-    s_ij = q_i . k_j. dq comes in q's layout, the rest in chunk layout.
-
-    dq and dhead: in chunk layout from one pass over the partials (`dq_epilogue`, in the
-    Pallas interpreter where `interpret`), as XLA fusions there they cost a transposed
-    float32 copy of dQ at the chunked call's peak (H100, T = 65,536, H = 8: peak 1.66 ->
-    1.43 GiB, 0.34 -> 0.22 ms); in token layout (the attention form) by XLA, which reads
-    each partial once there and folds the next scaling of dq into the same pass (the
-    kernel measured 0.09 ms slower at T = 4k, H = 12, peak unchanged)."""
+    dq float32 of q's shape; partial float32, in chunk layout q_i . dQ_off_i [B,Hq,N,C]
+    (the partials of the earlier key blocks; dq then the partials of every key block up to
+    the diagonal one), in token layout [B,T,Hq,D] the diagonal blocks' partials (dq then
+    the others'); dhead_i = q_i . dQ_off_i / p, since dl_ij = ds_ij s_ij / p with s_ij =
+    q_i . k_j. diagonal [B,Hq,N,C,ROWS] bfloat16 (`straddle_sums`), pairs
+    [B,Hk,N,C/ROWS,P] float32 ([J, I * R + head] the total of dl over a block pair, R query
+    heads a kv head, P >= R C/ROWS). dq comes in q's layout and dtype, the rest in chunk
+    layout."""
     ddiag = straddle_sums(diagonal)
     b, hq, n, c = ddiag.shape
     hk, blocks = pairs.shape[1], c // ROWS
     groups = hq // hk
-    if in_tokens(q):  # dhead [B, T, Hq] -> [B, Hq, N, C]
-        dq = (dq_off + dq_diag).astype(q.dtype)
-        dhead = jnp.einsum("...d,...d->...", q.astype(F32), dq_off) / p
-        dhead = jnp.moveaxis(dhead.reshape(b, n, c, hq), 3, 1)
+    if in_tokens(q):  # q . dQ_off [B, T, Hq] -> [B, Hq, N, C]
+        dhead = jnp.einsum("...d,...d->...", q.astype(F32), dq) / p
+        dq, dhead = (dq + partial).astype(q.dtype), jnp.moveaxis(
+            dhead.reshape(b, n, c, hq), 3, 1)
     else:
-        dq, dhead = dq_epilogue.dq_and_dhead(q, dq_off, dq_diag, p=p, interpret=interpret)
+        dq, dhead = dq.astype(q.dtype), partial / p
     # [b, hk, n, J, I * R + head] -> [b, hk * R + head, n, I, J]
     pairs = pairs[..., :blocks * groups].reshape(b, hk, n, blocks, blocks, groups)
     pairs = jnp.transpose(pairs, (0, 1, 5, 2, 4, 3)).reshape(b, hq, n, blocks, blocks)

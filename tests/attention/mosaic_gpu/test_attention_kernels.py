@@ -74,18 +74,20 @@ def test_the_backward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, 
                    ((b, hq, n, c), f32), (wide(b, hq, n, c, e, tokens), jnp.bfloat16),
                    ((b, hq, n, c), f32))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    # in chunk layout also the dQ epilogue, a Triton kernel reading the two float32 partials
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == (0 if tokens else 1)
+    assert "stablehlo.custom_call @__gpu$xla.gpu.triton" not in text  # dq a cast, dhead a scale
     blocks_ = c // blocks.ROWS
     columns = -(-blocks_ * (hq // hk) // blocks.ROWS) * blocks.ROWS
     # its operands end with the float32 dQ its reductions add into (zeros, aliased, in q's
-    # layout); its outputs: dk, dv (the inputs' layout), dtail, the diagonal blocks' dQ
-    # and dl (bf16, keys as rows), the pair totals
+    # layout), in chunk layout then q . dQ_off per query (also reduced); its outputs: dk, dv
+    # (the inputs' layout), dtail, in token layout the diagonal blocks' dQ partials (in
+    # chunk layout no second array of q's size: they are reduced into dQ too), the
+    # diagonal blocks' dl (bf16, keys as rows), the pair totals
     dq = tensor(wide(b, hq, n, c, d, tokens), "f32")
-    assert f"{dq}) -> (" in text
+    rows = tensor((b, hq, n, c), "f32")
+    assert (f"{dq}) -> (" if tokens else f"{dq}, {rows}) -> (") in text
     assert (f"{tensor(wide(b, hk, n, c, d, tokens), 'bf16')}, "
             f"{tensor(wide(b, hk, n, c, e, tokens), 'bf16')}, "
-            f"{tensor((b, hk, n, c), 'f32')}, {dq}, "
+            f"{tensor((b, hk, n, c), 'f32')}, {dq + ', ' if tokens else ''}"
             f"{tensor((b, hq, n, c, blocks.ROWS), 'bf16')}, "
             f"{tensor((b, hk, n, blocks_, columns), 'f32')}") in text
 
@@ -151,11 +153,12 @@ def test_bf16_parts_hold_float32(rng):
 @LAYOUTS
 def test_the_backward_outputs_assemble_into_the_gate_pieces(rng, tokens):
     """`backward_kernel.assemble` against definitions from one random ds (dl = ds s / p):
-    the kernel's layouts (the off-diagonal and diagonal dQ partials, each diagonal block's dl
-    in bf16 with keys as rows, the pair totals by key block and query-block-major columns,
-    grouped query heads) give dq, dhead (dl over earlier blocks' keys), the straddle sums (to
-    bf16 accuracy) and the pair totals [I, J]; in token layout dq stays in it and dhead
-    comes in chunk layout."""
+    the kernel's layouts (in chunk layout dQ reduced over every block up to the diagonal
+    and q . dQ_off per query; in token layout dQ_off and the diagonal blocks' partials;
+    each diagonal block's dl in bf16 with keys as rows, the pair totals by key block
+    and query-block-major columns, grouped query heads) give dq, dhead (dl over earlier
+    blocks' keys), the straddle sums (to bf16 accuracy) and the pair totals [I, J]; in
+    token layout dq stays in it and dhead comes in chunk layout."""
     from sympow.attention import chunked
 
     b, hk, groups, n, c, d, p = 1, 2, 3, 2, 192, 64, 2
@@ -170,7 +173,6 @@ def test_the_backward_outputs_assemble_into_the_gate_pieces(rng, tokens):
     dl = ds * s / p
     block = np.arange(c) // rows
     earlier = block[:, None] > block[None, :]
-    same = block[:, None] == block[None, :]
     partial = lambda mask: jnp.einsum("bhnij,bhnjd->bhnid", jnp.where(mask, ds, 0.0), kq,  # noqa: E731
                                       precision="highest")
     in_pairs = dl.reshape(b, hq, n, nb, rows, nb, rows)
@@ -184,9 +186,13 @@ def test_the_backward_outputs_assemble_into_the_gate_pieces(rng, tokens):
     def layout(x):  # [B, Hq, N, C, D] -> [B, N C, Hq, D] in token layout
         return jnp.moveaxis(x, 1, 3).reshape(b, n * c, hq, d) if tokens else x
 
+    if tokens:
+        dq_sum, apart = partial(earlier), layout(partial(block[:, None] == block[None, :]))
+    else:
+        dq_sum = partial(causal)
+        apart = jnp.einsum("bhnid,bhnid->bhni", q, partial(earlier), precision="highest")
     dq, dhead, ddiag, pairs = backward_kernel.assemble(
-        *(layout(x) for x in (q, partial(earlier), partial(same))),
-        diagonal.astype(jnp.bfloat16), by_key, p=p, interpret=True)
+        layout(q), layout(dq_sum), apart, diagonal.astype(jnp.bfloat16), by_key, p=p)
     dq = jnp.moveaxis(dq.reshape(b, n, c, hq, d), 3, 1) if tokens else dq
     close = lambda x, y: np.testing.assert_allclose(  # noqa: E731
         np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-4 * float(jnp.abs(y).max()))
