@@ -7,7 +7,8 @@ backward it replaces (a query-major dQ kernel beside this key-major one, until 2
 recomputed s and dw in each, seven products a pair. ds^T is read from shared memory
 transposed (a register operand cannot be transposed), and the partial [64 queries, d]
 float32 is added into a float32 dQ in GMEM by a TMA reduction (`copy_smem_to_gmem(...,
-reduction_op="add")`): every key block adds into every later query block.
+reduction_op="add")`): every key block adds into every later query block (in chunk layout
+into its own diagonal block too).
 
 The gate cotangent's pieces (`chunked.block_gate_cotangent`) come without a sum across the
 tile's rows per query (they span warps):
@@ -196,7 +197,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
                     for index, part in enumerate(parts))
             ring.release(slot)
 
-            def reduce_partials():  # into dQ, every key block's alike
+            def reduce_partials():  # into dQ (in chunk layout the diagonal's too)
                 store_partials(parts, lambda cols_: rows_at(dq_ref, *queries, chunk, cols_),
                                "add")
 
@@ -305,7 +306,8 @@ def attention_bwd(q, k, v, a, head, tail, m, scales, do, dden, *, p: int, stages
     # (T = 65,536, H = 8) lived through the whole state backward (peak 1.41 -> 1.31 GiB)
     dq = jax.new_ref(zeros_of_call(q.shape, F32, like=do))
     apart = in_tokens(q)
-    # per query: q . dQ_off (reduced, as dQ), or the diagonal blocks' partials (stored)
+    # token layout: the diagonal blocks' partials (an output); chunk layout: q . dQ_off per
+    # query (reduced into zeros, as dQ)
     partial = (jax.ShapeDtypeStruct(q.shape, F32) if apart
                else jax.new_ref(zeros_of_call((b, hq, n, c), F32, like=do)))
     dk, dv, dtail, *apart_out, diagonal, pairs = launch(

@@ -541,7 +541,7 @@ def test_the_columns_are_the_scaled_rows_transposed_in_bf16(rng):
 
 
 def test_the_definitions_are_the_products_with_phi(rng, monkeypatch):
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
@@ -592,7 +592,7 @@ def test_the_parts_of_z_sum_to_z(rng):
 def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
     """den_r = w_r x_r^T Z x_r is c_r phi(u_r) . z for w = c e^(2 ls); row_gradients adds its
     gradient (and its share of the ls cotangent) to the state's."""
-    b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 8, 16
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), F32)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
     a = jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32)
