@@ -56,8 +56,9 @@ class PrefixResiduals(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def prefix_sum(plan: PrefixPlan, s, z, g_last, weights=None):
-    """(s_in, z_in, s_final, z_final) of the gated prefix sum (`prefix_kernels.prefix_fwd`).
-    weights [F] (or None): the features' weights in g_last's cotangent
+    """(s_in, z_in, s_final, z_final) of the gated prefix sum (`prefix_kernels.prefix_fwd`;
+    s and z may be tuples of groups, one launch over them all). weights [F] (or None; with
+    groups a tuple of each group's [F_g]): the features' weights in g_last's cotangent
     (`prefix_kernels.prefix_bwd`); constants, no cotangent of their own."""
     return _prefix_fwd(plan, s, z, g_last, weights)[0]
 
