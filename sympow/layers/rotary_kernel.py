@@ -50,7 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from sympow.attention.pallas.launch import idiv, launch
+from sympow.attention.pallas.launch import LaunchPlan, idiv, launch
 from sympow.rotary import _reduced_angles, apply_rotary, rotary_rates
 
 __all__ = ["BLOCK_ROWS", "LAYOUTS", "rotate", "rotate_reference", "unsupported"]
@@ -58,13 +58,7 @@ __all__ = ["BLOCK_ROWS", "LAYOUTS", "rotate", "rotate_reference", "unsupported"]
 F32 = jnp.float32
 BLOCK_ROWS = 64  # rows of one head a program rotates (H200 sweep: docs/kernels.md)
 WARPS = 8
-
-
-class _Plan:
-    """What `launch` reads: the interpreter or Triton, and the pipeline depth."""
-
-    def __init__(self, interpret: bool):
-        self.interpret, self.stages = interpret, 2
+STAGES = 2  # Triton's pipelining depth
 
 
 def unsupported(x: Array, mu: Array) -> str | None:
@@ -213,7 +207,7 @@ def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None, 
         out_shape = [tokens_shape, jax.ShapeDtypeStruct((b, padded, h), F32)]
         kernel = _backward_kernel
     kernel = functools.partial(kernel, approx=not interpret, shifted=bias is not None)
-    outs = launch(kernel, plan=_Plan(interpret),
+    outs = launch(kernel, plan=LaunchPlan(interpret, STAGES),
                   name=f"sympow_rotary_{direction}", grid=(b, padded // bt, h),
                   in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                   warps=WARPS)(*args)

@@ -23,27 +23,18 @@ float32 add. Nothing but G is written.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from sympow.attention.mosaic_gpu.blocks import bf16_parts
-from sympow.attention.pallas.launch import idiv, irem, launch, split_heads
+from sympow.attention.pallas.launch import LaunchPlan, idiv, irem, launch, split_heads
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROWS_PER_STEP = 64  # rows of one step's products: a multiple of every supported chunk
 WARPS = 4
 STAGES = 3  # Triton's pipelining of the steps' loads
-
-
-class RowPlan(NamedTuple):
-    """What `launch` reads of a plan: the interpreter or Triton, and its pipelining depth."""
-
-    interpret: bool
-    stages: int = 1
 
 
 def _gram_kernel(x_ref, w_ref, g_ref, *, groups: int, steps: int):
@@ -93,7 +84,7 @@ def weighted_gram(
     at = lambda *blk: lambda n_, bh: (*split_heads(bh, kv_heads), n_) + blk  # noqa: E731
     return launch(
         lambda *refs: _gram_kernel(*refs, groups=groups, steps=c // ROWS_PER_STEP),
-        plan=RowPlan(interpret, STAGES), name="sympow_weighted_gram",
+        plan=LaunchPlan(interpret, STAGES), name="sympow_weighted_gram",
         grid=(n, b * kv_heads),
         in_specs=[pl.BlockSpec((None, groups, None, c, d), at(0, 0)),
                   pl.BlockSpec((None, groups, None, c), at(0))],

@@ -9,6 +9,7 @@ a grid axis, and a matrix product with float32 accumulation.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,19 @@ def ignore_triton_deprecation() -> None:
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
+class LaunchPlan(NamedTuple):
+    """The least `launch` reads of a plan, for kernels with no plan of their own: the
+    interpreter or Triton, and Triton's pipelining depth."""
+
+    interpret: bool
+    stages: int = 1
+
+
 def launch(kernel, *, plan, name: str, grid, in_specs, out_specs, out_shape, warps: int,
            stages: int | None = None, aliases: dict[int, int] | None = None):
     """pl.pallas_call with the tier's conventions (Triton on GPU, interpreter elsewhere).
 
-    plan: any object with `interpret` and `stages` (a Plan or a PrefixPlan); `stages`
+    plan: any object with `interpret` and `stages` (a Plan, a PrefixPlan, a LaunchPlan); `stages`
     overrides plan.stages. aliases: {input index: output index} written in place.
     """
     interpret, params = plan.interpret, None
