@@ -5,9 +5,9 @@
 GPT-2 small's four products of a block (`sympow.layers.fused_decode`): in (LayerNorm, 768
 -> 2336), out (768 -> 768, residual), fc (LayerNorm, 768 -> 3072, GELU), proj (3072 -> 768,
 residual), bf16, at --rows rows, for each `LinearTiles` of --tiles
-(block_n:warps:stages:max_block_k:unroll) and for XLA's jnp.dot of the same shapes. Times are the
-kernels' own GPU times from jax.profiler's trace (mean over --reps calls), with the weight
-bytes over that time. Writes tune_decode_linear.json under --out.
+(block_n:warps:stages:max_block_k:unroll[:fma]) and for XLA's jnp.dot of the same shapes.
+Times are the kernels' own GPU times from jax.profiler's trace (mean over --reps calls),
+with the weight bytes over that time. Writes tune_decode_linear.json under --out.
 """
 
 import functools
@@ -27,7 +27,8 @@ _REPS = flags.DEFINE_integer("reps", 20, "traced calls per shape")
 _TILES = flags.DEFINE_list(
     "tiles", [f"{n}:{w}:{s}:{k}:{u}" for n, w, s, k, u in itertools.product(
         (16, 32), (2, 4, 8), (3,), (256, 512), (0, 1))],
-    "launch shapes block_n:warps:stages:max_block_k:unroll (unroll 0 or 1)")
+    "launch shapes block_n:warps:stages:max_block_k:unroll[:fma] (unroll, fma 0 or 1; fma: "
+    "one row on the CUDA cores, `LinearTiles.fma`)")
 _OUT = flags.DEFINE_string("out", None, "directory for tune_decode_linear.json")
 
 PRODUCTS = {"in": (768, 2336, True, False, False), "out": (768, 768, False, False, True),
@@ -62,8 +63,8 @@ def main(argv):
         row = {"product": name, "k": k, "n": n, "rows": rows, "xla_dot_us": round(xla, 2),
                "tiles": []}
         for spec in _TILES.value:
-            n_, warps, stages, max_k, unroll = map(int, spec.split(":"))
-            tiles = LinearTiles(n_, warps, stages, max_k, bool(unroll))
+            n_, warps, stages, max_k, unroll, *fma = map(int, spec.split(":"))
+            tiles = LinearTiles(n_, warps, stages, max_k, bool(unroll), bool(fma and fma[0]))
             fn = jax.jit(functools.partial(linear, b=b, norm=ln, gelu=gelu, residual=res,
                                            tiles=tiles))
             try:

@@ -44,6 +44,7 @@ ROW_BLOCK = 16  # the smallest row block of a tensor-core product
 MAX_ROWS = 64
 MAX_BLOCK_K = 512
 BLOCK_N = 16
+FMA_BLOCK_N = 4  # the narrowest column block of the one-row product on the CUDA cores
 STAGES = 3
 LINEAR_IMPLS = ("xla", "pallas")
 STAGE_BYTES = 48 * 1024  # x and wt tiles of one pipeline stage (3 fit the 227 KiB of an SM)
@@ -66,19 +67,24 @@ class LinearTiles:
     """The kernel's launch shape: block_n outputs a program (a multiple of BLOCK_N; N not a
     multiple of it runs at BLOCK_N), `warps` warps, `stages` pipeline stages, K tiles of at
     most max_block_k; unroll: the loops over K written out, every weight tile loaded before
-    the first product, instead of a device loop."""
+    the first product, instead of a device loop. fma: at one row, the product on the CUDA
+    cores (each weight tile times x, summed over K once at the end) instead of a 16-row
+    tensor-core product of which 15 rows are padding; block_n may then be any power of two
+    >= FMA_BLOCK_N (more programs for the same columns). More rows ignore it."""
 
     block_n: int = BLOCK_N
     warps: int = 4
     stages: int = STAGES
     max_block_k: int = MAX_BLOCK_K
     unroll: bool = False
+    fma: bool = False
 
     def __post_init__(self):
-        for name in ("block_n", "max_block_k"):
+        smallest = {"block_n": FMA_BLOCK_N if self.fma else BLOCK_N, "max_block_k": BLOCK_N}
+        for name, least in smallest.items():
             value = getattr(self, name)
-            if value < BLOCK_N or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= {BLOCK_N}, got {value}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
         if self.warps not in (1, 2, 4, 8) or self.stages < 1:
             raise ValueError(f"warps must be 1, 2, 4 or 8 and stages >= 1, got warps = "
                              f"{self.warps}, stages = {self.stages}")
@@ -97,13 +103,14 @@ def default_tiles(k: int, n: int) -> LinearTiles:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    rows: int  # the rows the kernel computes: x's, padded to a multiple of ROW_BLOCK
+    rows: int  # the rows the kernel computes: x's, padded to a multiple of ROW_BLOCK (1: fma)
     block_n: int
     block_k: int
     warps: int
     stages: int
     unroll: bool
     interpret: bool
+    fma: bool = False
 
 
 def padded_rows(rows: int) -> int:
@@ -213,12 +220,17 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
             xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(jnp.float32),
                             shift_ref[block(i)][None, :].astype(jnp.float32))
         wb = weight_tiles[i] if plan.unroll else wt_ref[:, block(i)]  # [block_n, bk]
+        if plan.fma:  # one row: products on the CUDA cores, summed over K after the loop
+            return acc + wb.astype(jnp.float32) * xb.astype(wb.dtype).astype(jnp.float32)
         exact = wb.dtype == jnp.float32  # float32 weights: no TF32 rounding on the GPU
         return acc + jax.lax.dot_general(
             xb.astype(wb.dtype), wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
             precision=jax.lax.Precision.HIGHEST if exact else None)
 
-    acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
+    if plan.fma:  # [block_n, bk] products, then their sums as the output row [1, block_n]
+        acc = jnp.sum(loop(product, jnp.zeros((plan.block_n, bk), jnp.float32)), axis=1)[None]
+    else:
+        acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
         acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
     if gelu:
@@ -267,11 +279,15 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     tiles = default_tiles(k, n) if tiles is None else tiles
+    fma = tiles.fma and rows == 1
     block_n = tiles.block_n if n % tiles.block_n == 0 else BLOCK_N
+    if not fma:
+        block_n = max(block_n, BLOCK_N)
     itemsize = max(jnp.dtype(x.dtype).itemsize, jnp.dtype(wt.dtype).itemsize)
-    plan = _Plan(rows=padded_rows(rows), block_n=block_n, warps=tiles.warps,
+    kernel_rows = 1 if fma else padded_rows(rows)
+    plan = _Plan(rows=kernel_rows, block_n=block_n, warps=tiles.warps, fma=fma,
                  stages=tiles.stages, unroll=tiles.unroll, interpret=interpret,
-                 block_k=block_k(padded_rows(rows), k, itemsize, block_n, tiles.max_block_k))
+                 block_k=block_k(kernel_rows, k, itemsize, block_n, tiles.max_block_k))
     return _launch(plan, norm is not None, b is not None, gelu, residual is not None,
                    None if norm is None else norm.eps,
                    jnp.dtype(x.dtype if out_dtype is None else out_dtype),

@@ -114,10 +114,11 @@ def test_lowers_for_cuda_through_triton():
     wt = jnp.zeros((768, 3072), jnp.bfloat16)
     norm = LayerNormWeights(jnp.ones(3072), jnp.zeros(3072), 1e-5)
 
-    for unroll in (False, True):
-        def fused(x, wt, b, residual, unroll=unroll):
+    for unroll, fma in itertools.product((False, True), repeat=2):
+        def fused(x, wt, b, residual, unroll=unroll, fma=fma):
             return linear(x, wt, b, norm=norm, gelu=True, residual=residual,
-                          tiles=LinearTiles(unroll=unroll), interpret=False)
+                          tiles=LinearTiles(block_n=8 if fma else 16, unroll=unroll, fma=fma),
+                          interpret=False)
 
         text = jax.jit(fused).trace(x, wt, jnp.zeros(768), jnp.zeros((1, 768), jnp.bfloat16)
                                     ).lower(lowering_platforms=("cuda",)).as_text()
@@ -148,9 +149,37 @@ def test_other_launch_shapes_give_the_same_result(tiles):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_n, unroll, dtype", [
+    (4, False, jnp.float32), (8, True, jnp.float32), (32, False, jnp.float32),
+    (8, False, jnp.bfloat16), (16, True, jnp.bfloat16)])
+def test_one_row_on_the_cuda_cores_matches_reference(block_n, unroll, dtype):
+    """fma: one row's product as weight tiles times x summed over K after the loop (K = 1536
+    in 3 blocks of 512); N = 48 runs at block_n where it divides N, else at 16 columns."""
+    tiles = LinearTiles(block_n=block_n, unroll=unroll, fma=True)
+    x, wt, b, norm, residual = _operands(1, 1536, 48, dtype, seed=block_n)
+    for kw in (dict(norm=norm, gelu=True), dict(residual=residual), {}):
+        got = linear(x, wt, b, tiles=tiles, out_dtype=jnp.float32, **kw)
+        want = linear_reference(x, wt, b, out_dtype=jnp.float32, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_fma_at_several_rows_runs_the_tensor_core_product():
+    """fma is a one-row shape: 5 rows run the 16-row product at 16 columns a program."""
+    x, wt, b, norm, residual = _operands(5, 64, 48, jnp.float32, seed=3)
+    got = linear(x, wt, b, norm=norm, residual=residual,
+                 tiles=LinearTiles(block_n=4, fma=True))
+    want = linear_reference(x, wt, b, norm=norm, residual=residual)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_launch_shapes_are_checked():
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         LinearTiles(block_n=24)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 8"):
+        LinearTiles(block_n=8)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 4, got 2"):
+        LinearTiles(block_n=2, fma=True)
+    assert LinearTiles(block_n=4, fma=True).block_n == 4
     with pytest.raises(ValueError, match="warps must be 1, 2, 4 or 8"):
         LinearTiles(warps=3)
 
