@@ -12,13 +12,17 @@ output columns streams their weights once:
 
 with LN, b, act (tanh GELU) and residual each optional. W comes transposed, wt [N, K], so a
 program's slab (block_n outputs' weights) is one contiguous stretch of memory; it is read in
-[block_n, block_k] tiles (block_k a power of two dividing K, at most 512: Triton loads
-powers of two) through a pipeline of STAGES stages of at most STAGE_BYTES each. The rows
-are loaded and stored masked to the next multiple of ROW_BLOCK (16, the tensor cores'
-smallest row block), so callers keep [B, C] as it is. block_n is 16 or 32 columns
-(`default_tiles`, from an H100 sweep): many programs for the few columns of a GEMV. On the
-H100 a product takes ~2.5-3 us plus its bytes at ~1 TB/s, faster than XLA's reduction in
-place but slower than XLA's bare dot of the same shape (docs/benchmarks.md).
+[block_n, block_k] tiles (block_k a power of two dividing K, at most max_block_k: Triton
+loads powers of two) through a pipeline of STAGES stages of at most STAGE_BYTES each.
+Several rows run on the tensor cores, loaded and stored masked to the next multiple of
+ROW_BLOCK (16, their smallest row block), so callers keep [B, C] as it is; block_n is then
+16 or 32 columns. One row (B = 1 decoding) runs on the CUDA cores (`LinearTiles.fma`):
+each weight tile times x, summed over K once after the loop, 4 columns a program, so a
+768-column product has 192 programs and every SM streams weights; all its loads are
+issued before the LayerNorm's reductions. Launch shapes: `default_tiles`, from sweeps on
+an H100 and an H200 (docs/benchmarks.md). A one-row product takes ~2.2-3.2 us on the
+H200 (1.5 TB/s for 3072 -> 768), still above XLA's bare dot of the same shape (1.5-2.2
+us) but without the separate launches for what XLA would not fuse into it.
 
 `linear_reference` is the specification (the same formula in jnp, float32 accumulation).
 On GPU the kernel lowers through Triton; elsewhere it runs in the Pallas interpreter.
@@ -90,12 +94,17 @@ class LinearTiles:
                              f"{self.warps}, stages = {self.stages}")
 
 
-def default_tiles(k: int, n: int) -> LinearTiles:
-    """The launch shape for a [K, N] product, from the H100 sweep of GPT-2 small's four at
-    one row (docs/benchmarks.md, `experiments/tune_decode_linear.py`): outputs at least
-    twice the inputs (768 -> 2336, 768 -> 3072) 32 columns a program, 4 warps; inputs at
-    least twice the outputs (3072 -> 768) 16 columns, 2 warps; square (768 -> 768) 16
-    columns, 1 warp. 3 stages, K tiles up to 512 for all."""
+def default_tiles(k: int, n: int, rows: int = 2) -> LinearTiles:
+    """The launch shape for a [K, N] product at `rows` rows, from sweeps of GPT-2 small's
+    four (docs/benchmarks.md, `experiments/tune_decode_linear.py`) and their time inside
+    the decoding step. One row, on the CUDA cores (fma): 4 columns a program, loops written
+    out, K tiles up to 1024, 2 warps, 4 where the inputs are at least twice the outputs
+    (3072 -> 768). More rows, on the tensor cores: outputs at least twice the inputs (768 ->
+    2336, 768 -> 3072) 32 columns a program, 4 warps; inputs at least twice the outputs 16
+    columns, 2 warps; square (768 -> 768) 16 columns, 1 warp; 3 stages, K tiles up to 512."""
+    if rows == 1:
+        return LinearTiles(block_n=FMA_BLOCK_N, warps=4 if k >= 2 * n else 2,
+                           max_block_k=1024, unroll=True, fma=True)
     if n >= 2 * k:
         return LinearTiles(block_n=32, warps=4)
     return LinearTiles(block_n=BLOCK_N, warps=2 if k >= 2 * n else 1)
@@ -196,8 +205,23 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
 
     valid = jnp.arange(rows)[:, None] < b  # [rows, 1]: the rows past x's are zeros
 
-    def x_block(i):
-        return plt.load(x_ref.at[pl.ds(0, rows), block(i)], mask=valid, other=0)  # [rows, bk]
+    def tiles(load):  # tile i of an operand; written out, all its loads issued here
+        if not plan.unroll:
+            return load
+        return [load(i) for i in range(steps)].__getitem__
+
+    # Written out, every load is issued up front, weights first: the LayerNorm's reductions,
+    # the normalization and the epilogue then share one wait on memory instead of each
+    # waiting a round trip of its own after the one before.
+    weight = tiles(lambda i: wt_ref[:, block(i)])  # [block_n, bk]
+    x_block = tiles(lambda i: plt.load(x_ref.at[pl.ds(0, rows), block(i)], mask=valid,
+                                       other=0))  # [rows, bk]
+    if has_norm:
+        scale = tiles(lambda i: scale_ref[block(i)][None, :])  # [1, bk]
+        shift = tiles(lambda i: shift_ref[block(i)][None, :])
+    bias = b_ref[...] if has_bias else None  # [1, block_n]
+    residual = (plt.load(res_ref.at[pl.ds(0, rows), :], mask=valid, other=0)
+                if has_residual else None)  # [rows, block_n]
 
     mean = rstd = None
     if has_norm:
@@ -211,15 +235,12 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
         mean = total / k  # [rows, 1]
         rstd = jax.lax.rsqrt(jnp.maximum(squares / k - mean * mean, 0.0) + eps)
 
-    # Written out, every weight tile's load is issued before the first product waits.
-    weight_tiles = [wt_ref[:, block(i)] for i in range(steps)] if plan.unroll else None
-
     def product(i, acc):
         xb = x_block(i)
         if has_norm:
-            xb = _normalize(xb, mean, rstd, scale_ref[block(i)][None, :].astype(jnp.float32),
-                            shift_ref[block(i)][None, :].astype(jnp.float32))
-        wb = weight_tiles[i] if plan.unroll else wt_ref[:, block(i)]  # [block_n, bk]
+            xb = _normalize(xb, mean, rstd, scale(i).astype(jnp.float32),
+                            shift(i).astype(jnp.float32))
+        wb = weight(i)  # [block_n, bk]
         if plan.fma:  # one row: products on the CUDA cores, summed over K after the loop
             return acc + wb.astype(jnp.float32) * xb.astype(wb.dtype).astype(jnp.float32)
         exact = wb.dtype == jnp.float32  # float32 weights: no TF32 rounding on the GPU
@@ -232,12 +253,11 @@ def _linear_kernel(*refs, plan: _Plan, has_norm: bool, has_bias: bool, gelu: boo
     else:
         acc = loop(product, jnp.zeros((rows, plan.block_n), jnp.float32))
     if has_bias:
-        acc = acc + b_ref[...].astype(jnp.float32)  # [1, block_n]
+        acc = acc + bias.astype(jnp.float32)
     if gelu:
         acc = _gelu(acc)
     if has_residual:
-        acc = acc + plt.load(res_ref.at[pl.ds(0, rows), :], mask=valid, other=0).astype(
-            jnp.float32)
+        acc = acc + residual.astype(jnp.float32)
     plt.store(o_ref.at[pl.ds(0, rows), :], acc.astype(o_ref.dtype), mask=valid)
 
 
@@ -252,9 +272,9 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
     after the LayerNorm, is cast to it); b: [N]; norm: LayerNorm of x's rows first; gelu:
     GPT-2's tanh GELU after the bias; residual: [B, N] added last. K and N multiples of 16.
     Sums in float32; the result in out_dtype (None: x's dtype). tiles: the launch shape
-    (None: `default_tiles(K, N)`). impl: 'pallas' (the kernel) or 'xla' (`linear_reference`, which
-    XLA compiles into its own product with what it fuses around it). interpret: None = the
-    Pallas interpreter unless the default backend is a GPU.
+    (None: `default_tiles(K, N, B)`). impl: 'pallas' (the kernel) or 'xla'
+    (`linear_reference`, which XLA compiles into its own product with what it fuses around
+    it). interpret: None = the Pallas interpreter unless the default backend is a GPU.
     """
     if impl not in LINEAR_IMPLS:
         raise ValueError(f"impl must be one of {LINEAR_IMPLS}, got impl={impl!r}")
@@ -278,7 +298,7 @@ def linear(x: Float[Array, "B K"], wt: Float[Array, "N K"], b: Float[Array, " N"
                                 out_dtype=out_dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    tiles = default_tiles(k, n) if tiles is None else tiles
+    tiles = default_tiles(k, n, rows) if tiles is None else tiles
     fma = tiles.fma and rows == 1
     block_n = tiles.block_n if n % tiles.block_n == 0 else BLOCK_N
     if not fma:

@@ -185,6 +185,10 @@ def test_launch_shapes_are_checked():
 
 
 def test_default_tiles_follow_the_shape_of_the_product():
+    one_row = dict(block_n=4, max_block_k=1024, unroll=True, fma=True)
+    assert default_tiles(768, 3072, rows=1) == LinearTiles(warps=2, **one_row)
+    assert default_tiles(768, 768, rows=1) == LinearTiles(warps=2, **one_row)
+    assert default_tiles(3072, 768, rows=1) == LinearTiles(warps=4, **one_row)
     assert default_tiles(768, 3072) == LinearTiles(block_n=32, warps=4)
     assert default_tiles(768, 2336) == LinearTiles(block_n=32, warps=4)
     assert default_tiles(3072, 768) == LinearTiles(block_n=16, warps=2)
