@@ -25,11 +25,15 @@ the GPU instead of queueing ahead); the loss of every step of
 both passes (must fall and stay finite) and the process's peak device memory.
 
 Decode cases are `variant:p:prompt` (optionally `:batch`, default 1): the same model with
-bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for --new_tokens
-tokens, the medians of --reps calls after a compiling one; ms/token = (generate - prefill) /
-new_tokens (one step of the whole batch), tokens/s = batch x new_tokens / (generate -
-prefill). Reported with the
-prefill time, the cache bytes and the peak memory. --decode_impls=reference,pallas times each
+bf16 parameters, `generate` after `batch` prompts of that many corpus tokens for N =
+--new_tokens tokens and for 2N, the medians of --reps calls after a compiling one; ms/token
+= (generate(2N) - generate(N)) / N, the time of one more step of the whole batch with
+everything a call does once taken out (the host's nnx.split of the model and jit dispatch,
+the weights' packing, the prefill); tokens/s = batch / that. Also reported: the same call's
+time less the prefill over N (`ms_per_token_in_call`, the measure before 2026-11-27), the
+time a call spends besides its N steps and its prefill (`call_overhead_ms`), the host's
+nnx.split of the model (`split_ms`), the prefill time, the cache bytes and the peak
+memory. --decode_impls=reference,pallas times each
 sympow case with the jnp decoding step and with the fused kernel (the model's decode_impl;
 the prefill is the default choice in both); --decode_steps=blocks,fused times each with the
 blocks' own decode and with the fused step of sympow.layers.fused_decode (generate's fused).
@@ -291,9 +295,15 @@ def decode_case(case: dict) -> dict:
     cache_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
     del cache
     fused = _DECODE_STEP.value == "fused"
-    generate_s, tokens = timed_call(lambda: generate(
-        model, prompt, n, unroll=_DECODE_UNROLL.value, fused=fused), reps=_REPS.value)
-    decode_s = generate_s - prefill_s
+
+    def generate_call(new_tokens):
+        return timed_call(lambda: generate(model, prompt, new_tokens,
+                                           unroll=_DECODE_UNROLL.value, fused=fused),
+                          reps=_REPS.value)
+
+    generate_s, tokens = generate_call(n)
+    step_s = (generate_call(2 * n)[0] - generate_s) / n  # one more step, nothing fixed
+    split_s, _ = timed_call(nnx.split, model, reps=_REPS.value)
     packed = jax.jit(lambda w: decode_weights(nnx.merge(graphdef, w)))(weights) if fused else None
     step = jax.jit(lambda w, packed, token, cache: decode_step(
         nnx.merge(graphdef, w), token, cache, weights=packed))
@@ -304,8 +314,10 @@ def decode_case(case: dict) -> dict:
             "unroll": _DECODE_UNROLL.value, "launches_per_step": launches,
             "algorithm": chosen_algorithm(config, t, need_state=True),
             "prefill_ms": round(prefill_s * 1e3, 1), "generate_ms": round(generate_s * 1e3, 1),
-            "ms_per_token": round(decode_s / n * 1e3, 3),
-            "tokens_per_s": round(batch * n / decode_s, 1),
+            "ms_per_token": round(step_s * 1e3, 3), "tokens_per_s": round(batch / step_s, 1),
+            "ms_per_token_in_call": round((generate_s - prefill_s) / n * 1e3, 3),
+            "call_overhead_ms": round((generate_s - prefill_s - n * step_s) * 1e3, 1),
+            "split_ms": round(split_s * 1e3, 2),
             "cache_gb": round(cache_bytes / 1e9, 2), "tokens_shape": list(tokens.shape),
             "peak_gib": peak_gib()}
 
@@ -429,7 +441,9 @@ def report(results: list[dict]) -> None:
                     f", steady {r['steady_tokens_per_s']} tok/s")
         elif r["kind"] == "decode":
             note = (f"prefill {r['prefill_ms']} ms, cache {r['cache_gb']} GB, "
-                    f"{r['tokens_per_s']} tok/s, {r['launches_per_step']} launches/step")
+                    f"{r['tokens_per_s']} tok/s, {r['launches_per_step']} launches/step, "
+                    f"in call {r['ms_per_token_in_call']} ms/tok, call overhead "
+                    f"{r['call_overhead_ms']} ms (split {r['split_ms']} ms)")
         elif r["kind"] == "startup":
             note = f"launch to first step: cold {r['cold']}, warm {r['warm']}"
         else:

@@ -48,9 +48,14 @@ def test_train_decode_and_forward_cases(tmp_path):
     assert len(train["dispatch_ms"]) == 3
     assert 0 < max(train["dispatch_ms"]) <= 3 * train["pipelined_step_ms"]
     assert decode["batch"] == 2 and decode["tokens_shape"] == [2, 68]
-    # tokens/s is batch x new tokens over the decode time: (generate - prefill) / new tokens
-    decode_s = decode["ms_per_token"] * 4 / 1e3
-    assert decode["tokens_per_s"] == pytest.approx(2 * 4 / decode_s, rel=0.01)
+    # tokens/s is the batch over a step's time: generate(8) - generate(4) over 4 tokens;
+    # the rest of a call is what it does once besides its prefill and its 4 steps
+    assert decode["tokens_per_s"] == pytest.approx(2 / decode["ms_per_token"] * 1e3, rel=0.01)
+    assert decode["call_overhead_ms"] == pytest.approx(
+        decode["generate_ms"] - decode["prefill_ms"] - 4 * decode["ms_per_token"], abs=0.2)
+    assert decode["ms_per_token_in_call"] == pytest.approx(
+        (decode["generate_ms"] - decode["prefill_ms"]) / 4, abs=0.1)
+    assert decode["split_ms"] > 0
     assert forward["rows"] == 4 and forward["forward_ms"] > 0
     assert forward["tokens_per_s"] == pytest.approx(4 * 64 / forward["forward_ms"] * 1e3,
                                                     rel=0.01)
