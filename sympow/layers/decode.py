@@ -123,13 +123,32 @@ def _end_aligned(prompt: Int[Array, "B T"], lengths: Int[Array, " B"]):
     return jnp.take_along_axis(prompt, jnp.maximum(source, 0), axis=1), valid
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy",
-                                             "max_length", "top_k", "vocab_limit", "unroll",
-                                             "fused"))
-def _generate(graphdef, state, prompt, lengths, key, temperature, *, max_new_tokens: int,
+_STATIC = ("max_new_tokens", "greedy", "max_length", "top_k", "vocab_limit", "unroll", "fused")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate_pytree(model, prompt, lengths, key, temperature, **static):
+    """`_generate` for a model that is a jax pytree (flax's default for Modules): jit
+    flattens it itself, ~15x faster than nnx.split on the host (docs/benchmarks.md)."""
+    return _generate(model, prompt, lengths, key, temperature, **static)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", *_STATIC))
+def _generate_split(graphdef, state, prompt, lengths, key, temperature, **static):
+    """`_generate` for any model, passed as nnx.split's (graphdef, state)."""
+    return _generate(nnx.merge(graphdef, state), prompt, lengths, key, temperature, **static)
+
+
+def _is_pytree(model) -> bool:
+    """Whether jax flattens `model` into its arrays (flax's `flax_pytree_module`, on by
+    default) rather than holding it as one leaf."""
+    leaves = jax.tree.leaves(model)
+    return not (len(leaves) == 1 and leaves[0] is model)
+
+
+def _generate(model, prompt, lengths, key, temperature, *, max_new_tokens: int,
               greedy: bool, max_length: int, top_k: int, vocab_limit: int | None,
               unroll: int, fused: bool):
-    model = nnx.merge(graphdef, state)
     weights = fused_decode.decode_weights(model) if fused else None  # packed once
     pick = functools.partial(_next_token, temperature=temperature, greedy=greedy, top_k=top_k,
                              vocab_limit=vocab_limit)
@@ -183,8 +202,10 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     kernels run in the slow Pallas interpreter off GPU). True where it cannot run:
     ValueError with the reason.
 
-    The model is split into (graphdef, state) with nnx.split, so one compilation serves
-    every call with the same shapes, settings and model structure.
+    One compilation serves every call with the same shapes, settings and model structure:
+    the model goes into the jitted loop as the jax pytree flax makes of a Module (its
+    arrays the leaves), or, where flax is set not to (`flax_pytree_module` off), as
+    nnx.split's (graphdef, state), which costs the host ~10-18 ms a call.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -214,12 +235,13 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     elif fused and reason:
         raise ValueError(f"fused=True: the fused decoding step cannot run: {reason}")
     key = jax.random.key(0) if rng is None else rng
-    graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, prompt_lengths, key,
-                     jnp.float32(temperature or 1.0),
-                     max_new_tokens=max_new_tokens, greedy=greedy,
-                     max_length=prompt.shape[1] + max_new_tokens, top_k=top_k,
-                     vocab_limit=vocab_limit, unroll=unroll, fused=bool(fused))
+    args = (prompt, prompt_lengths, key, jnp.float32(temperature or 1.0))
+    static = dict(max_new_tokens=max_new_tokens, greedy=greedy,
+                  max_length=prompt.shape[1] + max_new_tokens, top_k=top_k,
+                  vocab_limit=vocab_limit, unroll=unroll, fused=bool(fused))
+    if _is_pytree(model):
+        return _generate_pytree(model, *args, **static)
+    return _generate_split(*nnx.split(model), *args, **static)
 
 
 def _check_lengths(lengths, shape) -> Array:

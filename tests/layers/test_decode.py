@@ -101,6 +101,35 @@ def test_generate_unrolled_gives_the_same_tokens():
             generate(model, prompt, 3, unroll=bad)
 
 
+def test_generate_passes_the_model_as_a_pytree_and_reads_its_current_parameters(
+        monkeypatch):
+    """flax's Modules are jax pytrees: generate hands the model to jit as one (no nnx.split
+    on the host); the split path (for models that are not) gives the same tokens, and a
+    parameter changed between calls is the one the next call uses."""
+    model = randomized(tiny("conformal"))
+    prompt = tokens(6, (2, 5))
+    assert decode_lib._is_pytree(model)
+
+    class NotATree(nnx.Module, pytree=False):
+        pass
+
+    assert not decode_lib._is_pytree(NotATree())
+    sample = dict(temperature=1.0, rng=jax.random.key(3))
+    with monkeypatch.context() as patch:  # the pytree path never splits the model
+        patch.setattr(decode_lib.nnx, "split", lambda *a, **k: pytest.fail("nnx.split"))
+        as_pytree = generate(model, prompt, 6, **sample)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_lib, "_is_pytree", lambda model: False)
+        split = generate(model, prompt, 6, **sample)
+    np.testing.assert_array_equal(as_pytree, split)
+
+    embedding = model.wte.embedding
+    embedding[...] = -embedding[...]  # in place: the same Variable, new values
+    out = generate(model, prompt, 6)
+    expected = jnp.argmax(full_logits(model, out)[:, 4:-1], axis=-1)
+    np.testing.assert_array_equal(out[:, 5:], expected)
+
+
 def test_generate_sampling_is_reproducible():
     model = randomized(tiny("sympow_gating"))
     prompt = tokens(7, (3, 4))
