@@ -68,13 +68,14 @@ jax.tree_util.register_pytree_node(
 
 @dataclasses.dataclass(frozen=True)
 class LinearTiles:
-    """The kernel's launch shape: block_n outputs a program (a multiple of BLOCK_N; N not a
-    multiple of it runs at BLOCK_N), `warps` warps, `stages` pipeline stages, K tiles of at
-    most max_block_k; unroll: the loops over K written out, every weight tile loaded before
-    the first product, instead of a device loop. fma: at one row, the product on the CUDA
-    cores (each weight tile times x, summed over K once at the end) instead of a 16-row
-    tensor-core product of which 15 rows are padding; block_n may then be any power of two
-    >= FMA_BLOCK_N (more programs for the same columns). More rows ignore it."""
+    """The kernel's launch shape: block_n outputs a program (a power of two >= BLOCK_N, or
+    >= FMA_BLOCK_N with fma; N not a multiple of it runs at BLOCK_N), `warps` warps, `stages`
+    pipeline stages, K tiles of at most max_block_k; unroll: the loops over K written out,
+    every load issued before the first reduction or product, instead of a device loop.
+    fma: at one row, the product on the CUDA cores (each weight tile times x, summed over K
+    once at the end) instead of a 16-row tensor-core product of which 15 rows are padding;
+    block_n may then be any power of two >= FMA_BLOCK_N (more programs for the same
+    columns). More rows ignore it."""
 
     block_n: int = BLOCK_N
     warps: int = 4
@@ -94,7 +95,7 @@ class LinearTiles:
                              f"{self.warps}, stages = {self.stages}")
 
 
-def default_tiles(k: int, n: int, rows: int = 2) -> LinearTiles:
+def default_tiles(k: int, n: int, rows: int) -> LinearTiles:
     """The launch shape for a [K, N] product at `rows` rows, from sweeps of GPT-2 small's
     four (docs/benchmarks.md, `experiments/tune_decode_linear.py`) and their time inside
     the decoding step. One row, on the CUDA cores (fma): 4 columns a program, loops written
