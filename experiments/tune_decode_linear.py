@@ -54,10 +54,12 @@ def gpu_us(fn, *args, reps: int) -> float:
     return sum(duration for _, _, duration in events) / reps / 1e3
 
 
-def parse_tiles(spec: str, tiles_type):
+def parse_tiles(spec: str):
     """A `LinearTiles` from block_n:warps:stages:max_block_k:unroll[:fma]."""
+    from sympow.layers.decode_linear import LinearTiles
+
     block_n, warps, stages, max_k, unroll, *fma = map(int, spec.split(":"))
-    return tiles_type(block_n, warps, stages, max_k, bool(unroll), bool(fma and fma[0]))
+    return LinearTiles(block_n, warps, stages, max_k, bool(unroll), bool(fma and fma[0]))
 
 
 def main(argv):
@@ -65,7 +67,7 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from sympow.layers.decode_linear import LayerNormWeights, LinearTiles, linear
+    from sympow.layers.decode_linear import LayerNormWeights, linear
 
     rows, reps = _ROWS.value, _REPS.value
     results = []
@@ -85,7 +87,7 @@ def main(argv):
             for spec in _TILES.value:
                 jax.block_until_ready(jax.jit(functools.partial(
                     linear, b=b, norm=ln, gelu=gelu, residual=res,
-                    tiles=parse_tiles(spec, LinearTiles)))(x, wt))
+                    tiles=parse_tiles(spec)))(x, wt))
             continue
         xla = gpu_us(jax.jit(lambda x, wt: jnp.dot(x, wt.T, preferred_element_type=jnp.float32)),
                      x, wt, reps=reps)
@@ -93,7 +95,7 @@ def main(argv):
                "tiles": []}
         for spec in _TILES.value:
             fn = jax.jit(functools.partial(linear, b=b, norm=ln, gelu=gelu, residual=res,
-                                           tiles=parse_tiles(spec, LinearTiles)))
+                                           tiles=parse_tiles(spec)))
             try:
                 us = gpu_us(fn, x, wt, reps=reps)
             except Exception as error:  # noqa: BLE001  (a shape that does not compile)
