@@ -142,7 +142,8 @@ def _generate_split(graphdef, state, prompt, lengths, key, temperature, **static
 def _is_pytree(model) -> bool:
     """Whether jax flattens `model` into its arrays (flax's `flax_pytree_module`, on by
     default) rather than holding it as one leaf."""
-    leaves = jax.tree.leaves(model)
+    # one level deep (every child counts as a leaf): jit flattens the whole model anyway
+    leaves = jax.tree.leaves(model, is_leaf=lambda node: node is not model)
     return not (len(leaves) == 1 and leaves[0] is model)
 
 
