@@ -51,7 +51,8 @@ def run(*args):
                           timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("script", ["probe_tma_reduce", "probe_symmetric_blocks"])
+@pytest.mark.parametrize("script", ["probe_tma_reduce", "probe_symmetric_blocks",
+                                    "probe_grid_barrier"])
 def test_a_probe_refuses_without_a_hopper_gpu(script):
     done = run(f"experiments/{script}.py")
     assert done.returncode != 0

@@ -1,0 +1,159 @@
+"""What a persistent decoding kernel would rest on (docs/kernels.md, "L2 warmed ahead of the
+one-row products, tried", Next steps), measured before it is built:
+
+1. a grid-wide barrier from Mosaic GPU's global semaphores, every program resident (one a
+   SM): its time from kernels of 1 and --barriers barriers (the slope);
+2. weights streamed behind barriers: --layers layers, each program asking for its slice of
+   a layer's weights (TMA into one of two shared-memory slots) before the layer's barrier
+   and waiting for it after, GPT-2 small's 14 MB a layer; against the same loads with no
+   barrier, and the barriers alone. If a layer's time is near its bytes' time, a decoding
+   step that computes its products between such barriers has ~9 us a layer of memory
+   under it (weights and state) instead of today's ~31 us of kernels.
+
+The barrier: every program signals an arrival semaphore; program 0 waits for all of them
+(taking them away again) and signals each program's own release semaphore, on which each
+program waits (taking it away): every semaphore is back at zero for the next barrier and
+the next call. The signals are releases and the waits acquires at GPU scope.
+
+  PYTHONPATH=. python3 experiments/probe_grid_barrier.py --out=$OUT
+
+Prints one JSON row per measurement and writes probe_grid_barrier.json under --out. Needs a
+Hopper GPU; refuses more programs than the GPU has SMs (they would not all be resident and
+the first barrier would never open).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+from probes import attempt, hopper_main  # noqa: E402  (beside this script)
+from timing import trace_kernels  # noqa: E402  (experiments/timing.py, beside this script)
+
+_OUT = flags.DEFINE_string("out", None, "directory for probe_grid_barrier.json")
+_PROGRAMS = flags.DEFINE_integer("programs", 0, "programs (0: one per SM of the GPU)")
+_BARRIERS = flags.DEFINE_integer("barriers", 64, "barriers of the long barrier-only kernel")
+_LAYERS = flags.DEFINE_integer("layers", 12, "layers of the streaming kernels")
+_ROWS = flags.DEFINE_integer("rows", 208, "rows of 256 bf16 a program loads a layer "
+                             "(208 x 512 B x 132 programs = 14.1 MB)")
+_REPS = flags.DEFINE_integer("reps", 10, "traced calls per measurement")
+
+WIDTH = 256  # a TMA box's widest dimension
+
+
+def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream: bool):
+    """fn(weights [layers, programs, rows, WIDTH] bf16) -> an int32 token (never written):
+    `layers` rounds of (ask for this program's slice of the layer, barrier, wait for the
+    slice), with the barrier or the loads left out as asked."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def grid_barrier(program, arrive, release):
+        plgpu.semaphore_signal(arrive, 1, memory_scope="gpu")
+
+        @pl.when(program == 0)
+        def _open():
+            plgpu.semaphore_wait(arrive, programs, decrement=True, memory_scope="gpu")
+
+            @pl.loop(0, programs)
+            def _(other):
+                plgpu.semaphore_signal(release.at[other], 1, memory_scope="gpu")
+
+        plgpu.semaphore_wait(release.at[program], 1, decrement=True, memory_scope="gpu")
+
+    def body(weights_ref, token_ref, slots, loaded):
+        del token_ref  # the output only keeps the kernel (returned from the jit)
+        program = lax.axis_index("program")
+        arrive = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        release = pl.get_global(plgpu.SemaphoreType.REGULAR((programs,)))
+        for layer in range(layers):
+            slot = layer % 2
+            if stream:
+                plgpu.copy_gmem_to_smem(weights_ref.at[layer, program], slots.at[slot],
+                                        loaded.at[slot])
+            if barrier:
+                grid_barrier(program, arrive, release)
+            if stream:
+                plgpu.barrier_wait(loaded.at[slot])
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((programs, 128), jnp.int32),
+        scratch_types=[plgpu.SMEM((2, rows, WIDTH), jnp.bfloat16),
+                       plgpu.Barrier(num_barriers=2)],
+        grid=(programs,), grid_names=("program",))
+    return jax.jit(kernel)
+
+
+def kernel_us(fn, *args) -> float:
+    """Mean GPU microseconds of one call's kernels (jax's profiler)."""
+    events, _ = trace_kernels(fn, *args, reps=_REPS.value)
+    return sum(duration for _, _, duration in events) / _REPS.value / 1e3
+
+
+def resident_programs() -> int:
+    """--programs, or the GPU's SM count; refuses more programs than SMs."""
+    import jax
+
+    sms = getattr(jax.devices()[0], "core_count", None)
+    programs = _PROGRAMS.value or sms
+    if not programs or (sms and programs > sms):
+        raise SystemExit(f"--programs={_PROGRAMS.value}: need 1..{sms} (one program a SM, all "
+                         f"resident, or the first barrier never opens)")
+    return programs
+
+
+def probe_barriers() -> list[dict]:
+    import jax.numpy as jnp
+
+    programs, rows = resident_programs(), []
+    none = jnp.zeros((1, programs, 1, WIDTH), jnp.bfloat16)  # not read: no loads
+    times = {}
+    for count in (1, _BARRIERS.value):
+        row = dict(probe="barriers", programs=programs, barriers=count)
+
+        def measure(count=count):
+            us = kernel_us(probe_kernel(programs, count, 1, barrier=True, stream=False), none)
+            times[count] = us
+            return dict(kernel_us=us)
+
+        rows.append(attempt(row, measure))
+    if len(times) == 2:
+        rows.append(attempt(dict(probe="barrier_slope", programs=programs), lambda: dict(
+            us_per_barrier=(times[_BARRIERS.value] - times[1]) / (_BARRIERS.value - 1))))
+    return rows
+
+
+def probe_streaming() -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    programs, layers, width_rows = resident_programs(), _LAYERS.value, _ROWS.value
+    weights = jax.random.normal(jax.random.key(0), (layers, programs, width_rows, WIDTH),
+                                jnp.bfloat16)
+    layer_mb = programs * width_rows * WIDTH * 2 / 1e6
+    rows = []
+    for barrier, stream in ((True, True), (False, True), (True, False)):
+        row = dict(probe="streaming", programs=programs, layers=layers, layer_mb=layer_mb,
+                   barrier=barrier, stream=stream)
+
+        def measure(barrier=barrier, stream=stream):
+            us = kernel_us(probe_kernel(programs, layers, width_rows, barrier=barrier,
+                                        stream=stream), weights)
+            return dict(kernel_us=us, us_per_layer=us / layers,
+                        tb_per_s=layer_mb * layers / us if stream else None)  # MB/us
+
+        rows.append(attempt(row, measure))
+    return rows
+
+
+def main(argv):
+    del argv
+    hopper_main("probe_grid_barrier", _OUT.value, probe_barriers, probe_streaming)
+
+
+if __name__ == "__main__":
+    app.run(main)
