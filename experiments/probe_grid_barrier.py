@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
 from probes import attempt, hopper_main  # noqa: E402  (beside this script)
-from timing import trace_kernels  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import gpu_us  # noqa: E402  (experiments/timing.py, beside this script)
 
 _OUT = flags.DEFINE_string("out", None, "directory for probe_grid_barrier.json")
 _PROGRAMS = flags.DEFINE_integer("programs", 0, "programs (0: one per SM of the GPU)")
@@ -88,12 +88,6 @@ def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream
     return jax.jit(kernel)
 
 
-def kernel_us(fn, *args) -> float:
-    """Mean GPU microseconds of one call's kernels (jax's profiler)."""
-    events, _ = trace_kernels(fn, *args, reps=_REPS.value)
-    return sum(duration for _, _, duration in events) / _REPS.value / 1e3
-
-
 def resident_programs() -> int:
     """--programs, or the GPU's SM count; refuses more programs than SMs."""
     import jax
@@ -116,7 +110,8 @@ def probe_barriers() -> list[dict]:
         row = dict(probe="barriers", programs=programs, barriers=count)
 
         def measure(count=count):
-            us = kernel_us(probe_kernel(programs, count, 1, barrier=True, stream=False), none)
+            us = gpu_us(probe_kernel(programs, count, 1, barrier=True, stream=False), none,
+                        reps=_REPS.value)
             times[count] = us
             return dict(kernel_us=us)
 
@@ -141,8 +136,8 @@ def probe_streaming() -> list[dict]:
                    barrier=barrier, stream=stream)
 
         def measure(barrier=barrier, stream=stream):
-            us = kernel_us(probe_kernel(programs, layers, width_rows, barrier=barrier,
-                                        stream=stream), weights)
+            us = gpu_us(probe_kernel(programs, layers, width_rows, barrier=barrier,
+                                     stream=stream), weights, reps=_REPS.value)
             return dict(kernel_us=us, us_per_layer=us / layers,
                         tb_per_s=layer_mb * layers / us if stream else None)  # MB/us
 

@@ -142,6 +142,12 @@ def trace_kernels(fn, *args, reps: int, chained: bool = False
         return kernel_events(trace_dir), wall_s
 
 
+def gpu_us(fn, *args, reps: int) -> float:
+    """Mean GPU microseconds of all the kernels of one call of fn(*args) (`trace_kernels`)."""
+    events, _ = trace_kernels(fn, *args, reps=reps)
+    return sum(duration for _, _, duration in events) / reps / 1e3
+
+
 def run_calls(fn, args: tuple, *, reps: int, chained: bool) -> tuple:
     """Call fn(*args) `reps` times; return the arguments of a next call. Unchained: the same
     args each time, each call waited for. Chained (a step `(state, ...) -> (state, out)`,

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import trace_kernels  # noqa: E402
+from timing import gpu_us  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 1, "rows of x (sequences decoded together)")
 _REPS = flags.DEFINE_integer("reps", 20, "traced calls per shape")
@@ -46,12 +46,6 @@ PRODUCTS = {"in": (768, 2336, True, False, False), "out": (768, 768, False, Fals
             "fc": (768, 3072, True, True, False), "proj": (3072, 768, False, False, True),
             "in_plain": (768, 2336, False, False, False),
             "fc_plain": (768, 3072, False, False, False)}
-
-
-def gpu_us(fn, *args, reps: int) -> float:
-    """Mean GPU microseconds of all the kernels of one call of fn(*args)."""
-    events, _ = trace_kernels(fn, *args, reps=reps)
-    return sum(duration for _, _, duration in events) / reps / 1e3
 
 
 def parse_tiles(spec: str):
