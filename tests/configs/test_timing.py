@@ -207,3 +207,18 @@ def test_timed_pipelined_dispatches_every_call_and_waits_once(monkeypatch):
     ms = timing.timed_pipelined(lambda x: calls.append(1) or x + 1, jnp.ones(3), reps=5,
                                 warmup=2)
     assert ms >= 0 and len(calls) == 7 and len(waits) == 3  # two warm-ups, then one wait
+
+
+def test_gpu_us_is_every_kernel_of_a_call_averaged_over_the_calls(monkeypatch):
+    # three calls traced (ns): five kernels in all, 2 + 4 + 6 + 8 + 10 us
+    events = [("a", 0, 2_000), ("b", 5_000, 4_000), ("a", 20_000, 6_000),
+              ("b", 40_000, 8_000), ("a", 60_000, 10_000)]
+    seen = {}
+
+    def fake_trace(fn, *args, reps, chained=False):
+        seen.update(args=args, reps=reps, chained=chained)
+        return events, 0.5
+
+    monkeypatch.setattr(timing, "trace_kernels", fake_trace)
+    assert timing.gpu_us(len, "x", reps=3) == pytest.approx(30 / 3)
+    assert seen == {"args": ("x",), "reps": 3, "chained": False}
