@@ -8,7 +8,9 @@ one-row products, tried", Next steps), measured before it is built:
    and waiting for it after, GPT-2 small's 14 MB a layer; against the same loads with no
    barrier, and the barriers alone. If a layer's time is near its bytes' time, a decoding
    step that computes its products between such barriers has ~9 us a layer of memory
-   under it (weights and state) instead of today's ~31 us of kernels.
+   under it (weights and state) instead of today's ~31 us of kernels;
+3. the product such a kernel would compute between its barriers, one row on the CUDA cores
+   in Mosaic GPU (`one_row_product`), against the fused step's Triton kernel and jnp.
 
 The barrier: every program signals an arrival semaphore; program 0 waits for all of them
 (taking them away again) and signals each program's own release semaphore, on which each
@@ -28,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from probes import attempt, hopper_main  # noqa: E402  (beside this script)
+from probes import against, attempt, hopper_main  # noqa: E402  (beside this script)
 from timing import gpu_us  # noqa: E402  (experiments/timing.py, beside this script)
 
 _OUT = flags.DEFINE_string("out", None, "directory for probe_grid_barrier.json")
@@ -88,6 +90,57 @@ def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream
     return jax.jit(kernel)
 
 
+def one_row_product(k: int, n: int):
+    """fn(x [1, K] float32, wt [N, K] bf16) -> x @ wt^T, float32 [N]: a Mosaic GPU kernel of
+    N / 64 programs, each streaming its 64 rows of wt (one TMA copy a [64, 64] block, all
+    issued first) and summing them against x on the CUDA cores (wgmma-layout tiles times x
+    broadcast along the rows, a row sum at the end): the product a persistent kernel would
+    compute between its barriers. K a multiple of 64 whose [64, K] block fits shared
+    memory (K <= 1536); N a multiple of 64."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from sympow.attention.mosaic_gpu.blocks import COL_VECTOR, ROWS, by_cols, swizzled, zeros
+
+    if k % ROWS or n % ROWS or k > 1536:
+        raise ValueError(f"K and N must be multiples of {ROWS}, K <= 1536; got K = {k}, "
+                         f"N = {n}")
+    blocks = k // ROWS
+
+    def body(x_ref, wt_ref, out_ref, w_smem, x_smem, y_smem, loaded):
+        program = lax.axis_index("program")
+        rows = pl.ds(program * ROWS, ROWS)
+        for c in range(blocks):
+            plgpu.copy_gmem_to_smem(wt_ref.at[rows, pl.ds(c * ROWS, ROWS)], w_smem.at[c],
+                                    loaded.at[c])
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, loaded.at[blocks])
+        plgpu.barrier_wait(loaded.at[blocks])
+        acc = zeros((ROWS, ROWS))
+        for c in range(blocks):
+            plgpu.barrier_wait(loaded.at[c])
+            x = plgpu.load(x_smem.at[c], (), layout=COL_VECTOR)
+            acc = acc + w_smem.at[c][...].astype(jnp.float32) * by_cols(x)
+        y_smem[...] = acc.sum(axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_smem, out_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n,), jnp.float32),
+        scratch_types=[swizzled((blocks, ROWS, ROWS), jnp.bfloat16),
+                       plgpu.SMEM((blocks, ROWS), jnp.float32),
+                       plgpu.SMEM((ROWS,), jnp.float32),
+                       plgpu.Barrier(num_barriers=blocks + 1)],
+        grid=(n // ROWS,), grid_names=("program",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    # x as [K / 64, 64]: a TMA box is at most 256 elements a dimension
+    return jax.jit(lambda x, wt: kernel(x.reshape(blocks, ROWS), wt))
+
+
 def resident_programs() -> int:
     """--programs, or the GPU's SM count; refuses more programs than SMs."""
     import jax
@@ -145,9 +198,41 @@ def probe_streaming() -> list[dict]:
     return rows
 
 
+def probe_products() -> list[dict]:
+    """The one-row product in Mosaic GPU against the fused step's Triton kernel
+    (`decode_linear.linear`, its launch shape for one row) at GPT-2 small's 768 -> 768 and
+    768 -> 3072, both with their weights in L2 (the same weights each call), and its values
+    against jnp's product in float32 (x rounded to bf16 as the Triton kernel does)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sympow.layers.decode_linear import linear
+
+    rows = []
+    for k, n in ((768, 768), (768, 3072)):
+        keys = jax.random.split(jax.random.key(k + n), 2)
+        x = jax.random.normal(keys[0], (1, k)).astype(jnp.bfloat16)
+        wt = (jax.random.normal(keys[1], (n, k)) * k ** -0.5).astype(jnp.bfloat16)
+        want = jnp.dot(x.astype(jnp.float32), wt.astype(jnp.float32).T,
+                       precision=jax.lax.Precision.HIGHEST)[0]
+
+        def measure(k=k, n=n, x=x, wt=wt, want=want):
+            mosaic = one_row_product(k, n)
+            triton = jax.jit(lambda x, wt: linear(x, wt, out_dtype=jnp.float32))
+            row = against(mosaic(x.astype(jnp.float32), wt), want)
+            row.update(mosaic_us=gpu_us(mosaic, x.astype(jnp.float32), wt, reps=_REPS.value),
+                       triton_us=gpu_us(triton, x, wt, reps=_REPS.value),
+                       weight_mb=n * k * 2 / 1e6)
+            return row
+
+        rows.append(attempt(dict(probe="one_row_product", k=k, n=n), measure))
+    return rows
+
+
 def main(argv):
     del argv
-    hopper_main("probe_grid_barrier", _OUT.value, probe_barriers, probe_streaming)
+    hopper_main("probe_grid_barrier", _OUT.value, probe_products, probe_barriers,
+                probe_streaming)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""experiments/probe_grid_barrier.py on the CPU: its three kernels (barriers alone, weights
-streamed behind barriers, the same loads with none) lower for CUDA to Mosaic GPU kernels
-here, the streamed one longer than the same loads without barriers (its refusal off a
-Hopper GPU: test_probes.py). In its own process: the script's absl flags must not join
-this process's."""
+"""experiments/probe_grid_barrier.py on the CPU: its three barrier kernels (barriers alone,
+weights streamed behind barriers, the same loads with none) and its one-row products lower
+for CUDA to Mosaic GPU kernels here, the streamed one longer than the same loads without
+barriers, and a product whose shapes the kernel does not take is refused by name (its
+refusal off a Hopper GPU: test_probes.py). In its own process: the script's absl flags
+must not join this process's."""
 
 from __future__ import annotations
 
@@ -18,15 +19,24 @@ def text(barrier, stream, layers, rows):
 
 kernels = {"barriers": (True, False, 4, 1), "streamed": (True, True, 3, 16),
            "loads_only": (False, True, 3, 16)}
-print(json.dumps({name: {"mosaic": "mosaic_gpu" in t, "chars": len(t)}
-                  for name, t in ((name, text(*case)) for name, case in kernels.items())}))
+got = {name: {"mosaic": "mosaic_gpu" in t, "chars": len(t)}
+       for name, t in ((name, text(*case)) for name, case in kernels.items())}
+for k, n in ((768, 768), (768, 3072)):
+    product = probe.one_row_product(k, n).trace(
+        jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.bfloat16))
+    text_of = product.lower(lowering_platforms=("cuda",)).as_text()
+    got[f"product_{k}_{n}"] = {"mosaic": "mosaic_gpu" in text_of, "chars": len(text_of)}
+got["refused"] = outcome(lambda: probe.one_row_product(3072, 768))
+print(json.dumps(got))
 """)
 
 
-def test_the_three_kernels_lower_for_cuda():
+def test_the_kernels_lower_for_cuda_and_bad_product_shapes_are_refused():
     done = run("-c", LOWER)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
+    refused = got.pop("refused")
     assert all(kernel["mosaic"] for kernel in got.values()), got
+    assert "K <= 1536; got K = 3072" in refused, refused
     # the barriers add code: the streamed kernel's module is longer than the loads alone
     assert got["streamed"]["chars"] > got["loads_only"]["chars"], got
