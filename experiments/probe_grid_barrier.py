@@ -12,10 +12,17 @@ one-row products, tried", Next steps), measured before it is built:
 3. the product such a kernel would compute between its barriers, one row on the CUDA cores
    in Mosaic GPU (`one_row_product`), against the fused step's Triton kernel and jnp.
 
-The barrier: every program signals an arrival semaphore; program 0 waits for all of them
-(taking them away again) and signals each program's own release semaphore, on which each
-program waits (taking it away): every semaphore is back at zero for the next barrier and
-the next call. The signals are releases and the waits acquires at GPU scope.
+Two barriers (--styles), their signals releases and their waits acquires at GPU scope:
+- `release_each`: every program signals an arrival semaphore; program 0 waits for all of
+  them (taking them away again) and signals each program's own release semaphore, on which
+  each program waits (taking it away). H100, 2026-11-28: ~49 us a barrier at 132 programs,
+  program 0's 132 release signals one after another (each a fence) and its
+  compare-and-swap wait against 132 arrivals;
+- `counter`: every program adds one to an arrival counter and waits (plain loads, no
+  compare-and-swap) until it reaches programs x (barriers so far): one release a program,
+  none serialized. After its last barrier each program signals a leaving semaphore;
+  program 0 waits for all of them and takes the counter back to zero (nobody reads it
+  after leaving), ready for the next call.
 
   PYTHONPATH=. python3 experiments/probe_grid_barrier.py --out=$OUT
 
@@ -40,21 +47,41 @@ _LAYERS = flags.DEFINE_integer("layers", 12, "layers of the streaming kernels")
 _ROWS = flags.DEFINE_integer("rows", 208, "rows of 256 bf16 a program loads a layer "
                              "(208 x 512 B x 132 programs = 14.1 MB)")
 _REPS = flags.DEFINE_integer("reps", 10, "traced calls per measurement")
+_STYLES = flags.DEFINE_list("styles", ["counter", "release_each"], "barriers to time")
+
+STYLES = ("counter", "release_each")
 
 WIDTH = 256  # a TMA box's widest dimension
 
 
-def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream: bool):
+def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream: bool,
+                 style: str = "counter"):
     """fn(weights [layers, programs, rows, WIDTH] bf16) -> an int32 token (never written):
     `layers` rounds of (ask for this program's slice of the layer, barrier, wait for the
-    slice), with the barrier or the loads left out as asked."""
+    slice), with the barrier or the loads left out as asked; `style` one of STYLES."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}; got {style!r}")
     import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    def grid_barrier(program, arrive, release):
+    def counter_barrier(arrive, index):
+        plgpu.semaphore_signal(arrive, 1, memory_scope="gpu")
+        plgpu.semaphore_wait(arrive, programs * (index + 1), decrement=False,
+                             memory_scope="gpu")
+
+    def counter_reset(program, arrive, leave):
+        plgpu.semaphore_signal(leave, 1, memory_scope="gpu")
+
+        @pl.when(program == 0)
+        def _reset():
+            plgpu.semaphore_wait(leave, programs, decrement=True, memory_scope="gpu")
+            # every program has passed its last wait: the counter goes back to zero
+            plgpu.semaphore_signal(arrive, -programs * layers, memory_scope="gpu")
+
+    def release_each_barrier(program, arrive, release):
         plgpu.semaphore_signal(arrive, 1, memory_scope="gpu")
 
         @pl.when(program == 0)
@@ -72,15 +99,20 @@ def probe_kernel(programs: int, layers: int, rows: int, *, barrier: bool, stream
         program = lax.axis_index("program")
         arrive = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         release = pl.get_global(plgpu.SemaphoreType.REGULAR((programs,)))
+        leave = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         for layer in range(layers):
             slot = layer % 2
             if stream:
                 plgpu.copy_gmem_to_smem(weights_ref.at[layer, program], slots.at[slot],
                                         loaded.at[slot])
-            if barrier:
-                grid_barrier(program, arrive, release)
+            if barrier and style == "counter":
+                counter_barrier(arrive, layer)
+            elif barrier:
+                release_each_barrier(program, arrive, release)
             if stream:
                 plgpu.barrier_wait(loaded.at[slot])
+        if barrier and style == "counter":
+            counter_reset(program, arrive, leave)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((programs, 128), jnp.int32),
@@ -153,25 +185,36 @@ def resident_programs() -> int:
     return programs
 
 
+def styles() -> list[str]:
+    """--styles, each checked against STYLES."""
+    unknown = sorted(set(_STYLES.value) - set(STYLES))
+    if unknown:
+        raise SystemExit(f"--styles: unknown {unknown}; choose from {STYLES}")
+    return list(_STYLES.value)
+
+
 def probe_barriers() -> list[dict]:
     import jax.numpy as jnp
 
     programs, rows = resident_programs(), []
     none = jnp.zeros((1, programs, 1, WIDTH), jnp.bfloat16)  # not read: no loads
-    times = {}
-    for count in (1, _BARRIERS.value):
-        row = dict(probe="barriers", programs=programs, barriers=count)
+    for style in styles():
+        times = {}
+        for count in (1, _BARRIERS.value):
+            row = dict(probe="barriers", style=style, programs=programs, barriers=count)
 
-        def measure(count=count):
-            us = gpu_us(probe_kernel(programs, count, 1, barrier=True, stream=False), none,
-                        reps=_REPS.value)
-            times[count] = us
-            return dict(kernel_us=us)
+            def measure(count=count, style=style, times=times):
+                us = gpu_us(probe_kernel(programs, count, 1, barrier=True, stream=False,
+                                         style=style), none, reps=_REPS.value)
+                times[count] = us
+                return dict(kernel_us=us)
 
-        rows.append(attempt(row, measure))
-    if len(times) == 2:
-        rows.append(attempt(dict(probe="barrier_slope", programs=programs), lambda: dict(
-            us_per_barrier=(times[_BARRIERS.value] - times[1]) / (_BARRIERS.value - 1))))
+            rows.append(attempt(row, measure))
+        if len(times) == 2:
+            rows.append(attempt(
+                dict(probe="barrier_slope", style=style, programs=programs),
+                lambda times=times: dict(us_per_barrier=(times[_BARRIERS.value] - times[1])
+                                         / (_BARRIERS.value - 1))))
     return rows
 
 
@@ -183,14 +226,17 @@ def probe_streaming() -> list[dict]:
     weights = jax.random.normal(jax.random.key(0), (layers, programs, width_rows, WIDTH),
                                 jnp.bfloat16)
     layer_mb = programs * width_rows * WIDTH * 2 / 1e6
+    cases = [(True, True, style) for style in styles()]
+    cases += [(False, True, None)] + [(True, False, style) for style in styles()]
     rows = []
-    for barrier, stream in ((True, True), (False, True), (True, False)):
+    for barrier, stream, style in cases:
         row = dict(probe="streaming", programs=programs, layers=layers, layer_mb=layer_mb,
-                   barrier=barrier, stream=stream)
+                   barrier=barrier, stream=stream, style=style)
 
-        def measure(barrier=barrier, stream=stream):
+        def measure(barrier=barrier, stream=stream, style=style):
             us = gpu_us(probe_kernel(programs, layers, width_rows, barrier=barrier,
-                                     stream=stream), weights, reps=_REPS.value)
+                                     stream=stream, style=style or "counter"), weights,
+                        reps=_REPS.value)
             return dict(kernel_us=us, us_per_layer=us / layers,
                         tb_per_s=layer_mb * layers / us if stream else None)  # MB/us
 

@@ -4,15 +4,19 @@ of ending the run, and the entry point that refuses anything but a Hopper GPU an
 the rows under --out."""
 
 import json
+import sys
+import traceback
 from pathlib import Path
 
 
 def attempt(row: dict, measure) -> dict:
-    """row updated with measure()'s dict, or with the error it raised (ok False); printed."""
+    """row updated with measure()'s dict, or with the error it raised (ok False, its
+    traceback on stderr); printed."""
     try:
         row.update(measure())
     except Exception as error:  # noqa: BLE001  (record what failed, go on)
         row.update(error=f"{type(error).__name__}: {str(error)[:300]}", ok=False)
+        traceback.print_exc(file=sys.stderr)  # where it failed, for the log
     print(json.dumps(row), flush=True)
     return row
 
