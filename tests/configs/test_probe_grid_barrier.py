@@ -30,6 +30,11 @@ for k, n in ((768, 768), (768, 3072)):
 got["refused"] = outcome(lambda: probe.one_row_product(3072, 768))
 got["style_refused"] = outcome(lambda: probe.probe_kernel(8, 1, 1, barrier=True,
                                                           stream=False, style="tree"))
+flags.FLAGS.styles = ["counter", "tree"]
+try:
+    got["styles_flag"] = probe.styles()
+except SystemExit as error:
+    got["styles_flag"] = str(error)
 print(json.dumps(got))
 """)
 
@@ -39,6 +44,8 @@ def test_the_kernels_lower_for_cuda_and_bad_product_shapes_are_refused():
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     refused, style_refused = got.pop("refused"), got.pop("style_refused")
+    assert got.pop("styles_flag") == ("--styles: unknown ['tree']; choose from "
+                                      "('counter', 'release_each')")
     assert all(kernel["mosaic"] for kernel in got.values()), got
     assert "K <= 1536; got K = 3072" in refused, refused
     assert "style must be one of ('counter', 'release_each'); got 'tree'" in style_refused
