@@ -1,7 +1,8 @@
-"""experiments/probe_grid_barrier.py on the CPU: its three barrier kernels (barriers alone,
-weights streamed behind barriers, the same loads with none) and its one-row products lower
-for CUDA to Mosaic GPU kernels here, the streamed one longer than the same loads without
-barriers, and a product whose shapes the kernel does not take is refused by name (its
+"""experiments/probe_grid_barrier.py on the CPU: its barrier kernels (barriers alone, in
+both styles; weights streamed behind barriers; the same loads with none) and its one-row
+products lower for CUDA to Mosaic GPU kernels here, the streamed one longer than the same
+loads without barriers, the two styles different code; a product whose shapes the kernel
+does not take, an unknown style and an unknown --styles entry are refused by name (its
 refusal off a Hopper GPU: test_probes.py). In its own process: the script's absl flags
 must not join this process's."""
 
@@ -39,7 +40,7 @@ print(json.dumps(got))
 """)
 
 
-def test_the_kernels_lower_for_cuda_and_bad_product_shapes_are_refused():
+def test_the_kernels_lower_for_cuda_and_bad_shapes_and_styles_are_refused():
     done = run("-c", LOWER)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
