@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from absl import app, flags  # noqa: E402
 from timing import (  # noqa: E402  (experiments/timing.py, beside this script)
     attention_inputs,
+    matmul_rate,
     timed,
     timed_interleaved,
     timed_pipelined,
@@ -240,19 +241,18 @@ def breakdown(t: int, h: int, spec: str = "") -> dict:
 
 
 def roofline(n: int = 8192, copy_gib: float = 2.0) -> dict:
-    """The machine's measured bf16 matmul rate ([n, n] x [n, n], float32 accumulation) and
-    copy rate (read + write of a copy_gib array), for the rates of the breakdown."""
+    """The machine's measured bf16 matmul rate (`timing.matmul_rate`: [n, n] x [n, n],
+    float32 accumulation, by wall time and by kernel time) and copy rate (read + write of a
+    copy_gib array), for the rates of the breakdown."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    mm_ms = timed(jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32)), a,
-                  reps=_REPS.value)
+    row = matmul_rate(n, reps=_REPS.value)
     x = jnp.ones((int(copy_gib * 2**30) // 4,), jnp.float32)
     copy_ms = timed(jax.jit(lambda x: x * 2.0), x, reps=_REPS.value)
-    row = dict(matmul_tflops=2 * n ** 3 / mm_ms / 1e9, copy_gbs=2 * x.nbytes / copy_ms / 1e6,
-               matmul_n=n, copy_gib=copy_gib)
-    print(f"roofline: bf16 matmul {row['matmul_tflops']:.0f} TFLOP/s ({n}^3), copy "
+    row.update(copy_gbs=2 * x.nbytes / copy_ms / 1e6, copy_gib=copy_gib)
+    print(f"roofline: bf16 matmul {row['matmul_tflops']:.0f} TFLOP/s by wall time, "
+          f"{row['matmul_kernel_tflops']:.0f} by kernel time ({n}^3), copy "
           f"{row['copy_gbs']:.0f} GB/s ({copy_gib} GiB read + written)", flush=True)
     return row
 

@@ -6,6 +6,10 @@
 Each kernel's time is its duration in a jax.profiler trace (the GPU's own), beside the
 median wall time of a call, which also holds the host's dispatch and wait (0.2-0.35 ms a
 call on an H200 on 2026-11-27: a wall time alone understates the kernels' rate by a third).
+With --peak (the default) the same process then times XLA's bf16 matmul
+(`timing.matmul_rate`) and gives each kernel's useful rate, over the symmetric state's
+d (d + 1) / 2 distinct features, as a share of the matmul's kernel-time rate: issue 13's
+measure of a state kernel (>= 45 %).
 Under ncu (docs/kernels.md, Next steps) the first two kernels profiled on 2026-11-27 and
 row_gradients did not (ncu stopped at it).
 
@@ -43,7 +47,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
-from timing import kernel_times_interleaved, timed, timed_interleaved  # noqa: E402  (experiments/timing.py, beside this script)
+from timing import (  # noqa: E402  (experiments/timing.py, beside this script)
+    kernel_times_interleaved,
+    matmul_rate,
+    timed,
+    timed_interleaved,
+)
 
 _T = flags.DEFINE_integer("t", 65536, "tokens")
 _HEADS = flags.DEFINE_integer("heads", 8, "heads")
@@ -55,6 +64,8 @@ _OPTIONS = flags.DEFINE_list(
     "options", [""], "kernel keyword overrides, each 'name=N;...' (e.g. stages=4, "
     "chunks_per_program=2); each kernel runs its default and every entry it takes")
 _LOWER = flags.DEFINE_bool("lower", False, "only lower each kernel variant for CUDA")
+_PEAK = flags.DEFINE_bool("peak", True, "also time XLA's bf16 matmul (timing.matmul_rate) "
+                          "and give each kernel's useful rate as a share of it")
 
 
 def primitives(reps: int) -> None:
@@ -240,9 +251,27 @@ def main(argv):
     # (0.2-0.35 ms a call on an H200 on 2026-11-27, against ncu's and the trace's).
     kernel_us = kernel_times_interleaved(calls, reps=_REPS.value, prefix="sympow_states",
                                          warmup=0)  # warmed by the wall times' rounds
+    peak = matmul_rate(reps=_REPS.value) if _PEAK.value else None
+    if peak:
+        print(f"matmul peak (XLA, bf16 [{peak['matmul_n']}]^3, float32 sums): "
+              f"{peak['matmul_kernel_tflops']:.1f} TFLOP/s by kernel time, "
+              f"{peak['matmul_tflops']:.1f} by wall time", flush=True)
     for (name, _, _), ms, us in zip(runnable, walls, kernel_us, strict=True):
         print(f"{name:40s} kernel {us:7.1f} us  {flop / us / 1e6:6.1f} TFLOP/s  wall {ms:7.3f} "
-              f"ms (medians of {_REPS.value}, in turns)", flush=True)
+              f"ms (medians of {_REPS.value}, in turns)"
+              f"{useful_rate(us, peak, heads=_HEADS.value, t=_T.value)}", flush=True)
+
+
+def useful_rate(kernel_us: float, peak: dict | None, *, heads: int, t: int) -> str:
+    """A state kernel's rate over the symmetric state's distinct features (d (d + 1) / 2 of
+    the square layout's d^2, whatever the layout a variant computes), and as a share of the
+    matmul peak's kernel-time rate: the issue's measure of a state kernel."""
+    from sympow.attention.mosaic_gpu.state_kernels import DIM
+
+    useful = 2 * heads * t * DIM * (DIM + 1) // 2 * DIM
+    tflops = useful / kernel_us / 1e6
+    share = f" = {100 * tflops / peak['matmul_kernel_tflops']:.1f} % of the peak" if peak else ""
+    return f"  useful {tflops:6.1f} TFLOP/s{share}"
 
 
 if __name__ == "__main__":

@@ -148,6 +148,23 @@ def gpu_us(fn, *args, reps: int) -> float:
     return sum(duration for _, _, duration in events) / reps / 1e3
 
 
+def matmul_rate(n: int = 8192, *, reps: int) -> dict:
+    """The machine's measured bf16 matmul rate: XLA's [n, n] x [n, n] product with float32
+    accumulation (cuBLAS on a GPU), as TFLOP/s of its kernels' GPU time (`gpu_us`: the base
+    for kernel durations) and of a waited call's wall time (`timed`: the host's dispatch and
+    wait in it too). ValueError off a GPU (`kernel_events`: the trace has no GPU plane)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    product = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    flop = 2 * n ** 3
+    wall_ms = timed(product, a, reps=reps)
+    kernel_us = gpu_us(product, a, reps=reps)
+    return dict(matmul_n=n, matmul_tflops=flop / wall_ms / 1e9,
+                matmul_kernel_tflops=flop / kernel_us / 1e6)
+
+
 def run_calls(fn, args: tuple, *, reps: int, chained: bool) -> tuple:
     """Call fn(*args) `reps` times; return the arguments of a next call. Unchained: the same
     args each time, each call waited for. Chained (a step `(state, ...) -> (state, out)`,

@@ -117,3 +117,21 @@ print(np.array_equal(np.asarray(col2), np.asarray(xt)))
 """)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["True True", "True", "True"]
+
+
+def test_the_useful_rate_counts_the_distinct_features_against_the_matmul_peak():
+    """2 H T (64 * 65 / 2) 64 flop in the kernel's time: at T = 65,536, H = 8 and 417.1 us,
+    2 * 8 * 65536 * 2080 * 64 / 417.1e-6 s = 334.65 TFLOP/s, 42.6 % of 786 (the sixteenth
+    session's rows_to_state in docs/kernels.md), whatever layout the kernel computes."""
+    done = run("-c", """
+import sys
+sys.path.insert(0, "experiments")
+import profile_states
+print(profile_states.useful_rate(417.1, {"matmul_kernel_tflops": 786.0}, heads=8, t=65536))
+print(profile_states.useful_rate(417.1, None, heads=8, t=65536))
+print(profile_states.useful_rate(417.1 / 2, None, heads=8, t=2 * 65536))
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["  useful  334.6 TFLOP/s = 42.6 % of the peak",
+                                        "  useful  334.6 TFLOP/s",
+                                        "  useful 1338.6 TFLOP/s"]

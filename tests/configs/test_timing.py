@@ -222,3 +222,10 @@ def test_gpu_us_is_every_kernel_of_a_call_averaged_over_the_calls(monkeypatch):
     monkeypatch.setattr(timing, "trace_kernels", fake_trace)
     assert timing.gpu_us(len, "x", reps=3) == pytest.approx(30 / 3)
     assert seen == {"args": ("x",), "reps": 3, "chained": False}
+
+
+def test_the_matmul_rate_refuses_a_trace_without_gpu_kernels():
+    """On a CPU the product's trace has no GPU plane: the rate is refused with that reason,
+    not a division by zero or a rate of nothing."""
+    with pytest.raises(ValueError, match=r"has no /device:GPU plane \(not a GPU run\)"):
+        timing.matmul_rate(64, reps=1)
