@@ -121,7 +121,7 @@ print(np.array_equal(np.asarray(col2), np.asarray(xt)))
 
 def test_the_useful_rate_counts_the_distinct_features_against_the_matmul_peak():
     """2 H T (64 * 65 / 2) 64 flop in the kernel's time: at T = 65,536, H = 8 and 417.1 us,
-    2 * 8 * 65536 * 2080 * 64 / 417.1e-6 s = 334.65 TFLOP/s, 42.6 % of 786 (the sixteenth
+    2 * 8 * 65536 * 2080 * 64 / 417.1e-6 s = 334.66 TFLOP/s, 42.6 % of 786 (the sixteenth
     session's rows_to_state in docs/kernels.md), whatever layout the kernel computes."""
     done = run("-c", """
 import sys
@@ -132,6 +132,27 @@ print(profile_states.useful_rate(417.1, None, heads=8, t=65536))
 print(profile_states.useful_rate(417.1 / 2, None, heads=8, t=2 * 65536))
 """)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines() == ["  useful  334.6 TFLOP/s = 42.6 % of the peak",
-                                        "  useful  334.6 TFLOP/s",
+    assert done.stdout.splitlines() == ["  useful  334.7 TFLOP/s = 42.6 % of the peak",
+                                        "  useful  334.7 TFLOP/s",
                                         "  useful 1338.6 TFLOP/s"]
+
+
+def test_an_upper_variant_is_compared_with_the_defaults_stored_entries():
+    """rows_to_state@upper=1 returns the upper layout's four arrays where its default returns
+    the square state: the comparison takes the default's entries the upper layout stores
+    (the same sums: 0), and a changed stored entry shows; outputs of one form pass as is."""
+    done = run("-c", """
+import sys
+sys.path.insert(0, "experiments")
+import jax, jax.numpy as jnp
+import profile_states
+from sympow.attention.mosaic_gpu.state_references import upper_arrays
+square = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 3, 4096, 8))
+upper = upper_arrays(square)
+print(profile_states.relative_difference(upper, profile_states.stored_like(upper, square)))
+changed = (upper[0].at[0, 0, 0, 0, 0, 0].add(1e3),) + upper[1:]
+print(profile_states.relative_difference(changed, profile_states.stored_like(changed, square)) > 0.1)
+print(profile_states.stored_like(square, square) is square, profile_states.stored_like(upper, upper) is upper)
+""")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["0.0", "True", "True True"]
