@@ -22,7 +22,8 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     each step's blocks in two halves (`pipelined`: the tier's y and da; `_halves`); the
     square y and row_gradients in halves; rows_to_state issuing whole steps
     (`pipelined=False`; its default issues halves); then the state stored in the upper
-    layout (`state_walks.upper_shapes`): rows_to_state writing it, state_to_rows reading
+    layout (`state_walks.upper_shapes`): rows_to_state writing it (in halves, in whole
+    steps, and with the square products whose upper rows it stores), state_to_rows reading
     it over the upper blocks as the tier does (y, y and den with the normalizer) and over
     whole blocks (their lower rows from the mirrors: y, g), row_gradients (dx, dls with
     the normalizer), each against its definition on the same stored entries
@@ -118,6 +119,12 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                 (tuple(u[:, :, 1:] for u in ss.rows_to_state(
                     xt, col, a, kv_heads=hk, slots=n + 1, slot_offset=1, upper=True)),
                  sr.upper_arrays(s)),
+                # ... its products over the stored rows only (by_groups, E = 64) in whole
+                # steps, and the square products of which it stores the upper rows
+                (ss.rows_to_state(xt, col, a, kv_heads=hk, upper=True, pipelined=False),
+                 sr.upper_arrays(s)),
+                (ss.rows_to_state(xt, col, a, kv_heads=hk, upper=True, square_products=True),
+                 sr.upper_arrays(s)),
                 (sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1, **tier),
                  sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
                                             upper=True)),
@@ -144,7 +151,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
              "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
-             "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
+             "S_stored_upper_whole_steps", "S_stored_upper_square_products", "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
              "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper")
 
     def flat(value):  # an output or a tuple of them (the upper layout) as one float64 vector

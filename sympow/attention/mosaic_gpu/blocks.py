@@ -26,6 +26,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread, after setmaxnreg
 WGMMA = plgpu.Layout.WGMMA
+WGMMA_TRANSPOSED = plgpu.Layout.WGMMA_TRANSPOSED  # a [M, N] tile read or stored transposed
 ROW_VECTOR = WGMMA.reduce(1)  # one value per row of a [ROWS, ROWS] wgmma result
 COL_VECTOR = WGMMA.reduce(0)  # one value per column
 SQUARE = (ROWS, ROWS)

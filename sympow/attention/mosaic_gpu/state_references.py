@@ -23,11 +23,12 @@ from sympow.attention.mosaic_gpu.state_walks import BLOCK
 
 
 def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = None,
-                            slot_offset: int = 0, pipelined: bool = True, upper: bool = False):
-    """The slots no chunk maps to hold NaN: what reads them shows. pipelined (the order
-    the kernel issues its products in): taken and unused. upper: the state in the upper
-    layout (`upper_arrays`)."""
-    del pipelined
+                            slot_offset: int = 0, pipelined: bool = True, upper: bool = False,
+                            square_products: bool = False):
+    """The slots no chunk maps to hold NaN: what reads them shows. pipelined and
+    square_products (the order and the shapes of the kernel's products): taken and unused.
+    upper: the state in the upper layout (`upper_arrays`)."""
+    del pipelined, square_products
     b, hx, n, d, c = xt.shape
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)

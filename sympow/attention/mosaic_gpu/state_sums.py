@@ -26,6 +26,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     MEMORY_REGISTERS,
     ROWS,
     WGMMA,
+    WGMMA_TRANSPOSED,
     Ring,
     by_cols,
     launch,
@@ -56,14 +57,20 @@ def features_per_warpgroup(e: int) -> int:
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
                   slot_offset: int = 0, chunks_per_program: int | None = None,
-                  step_barriers: int = 1, pipelined: bool = True, upper: bool = False):
+                  step_barriers: int = 1, pipelined: bool = True, upper: bool = False,
+                  square_products: bool = False):
     """S [B, Hk, slots, D^2, E] bf16 with chunk n's state at slot n + slot_offset:
     S[(i, j)] = sum over the rows r of the chunk and the heads of a group of
     col[i, r] xt[j, r] a[r]. Slots no chunk maps to are left unwritten. slots: None = N.
     upper: S in the upper layout instead (`state_walks.upper_shapes`: a tuple of four
     arrays [B, Hk, slots, 16, D - 16 b, E], S[(i, j)] for j >= 16 (i // 16) only, 62.5 %
-    of the bytes; the products are the square ones, their rows j < 16 (i // 16) not
-    stored). Built on 2026-11-27 and not yet run on a GPU.
+    of the bytes). At E = DIM the products are then only those of the stored rows
+    (`by_groups`): each S_i is summed transposed, S_i^T [E, D - 16 b] = (a^T diag(col_i))
+    x[:, 16 b:], its A operand a^T scaled in registers and its B the stored rows of the
+    xt block (N = 64 - 16 b, 62.5 % of the square products), a warpgroup's four features
+    one of each group, and stored through a transposed view of shared memory; with
+    square_products (or E = 128) each S_i is the square layout's M = 64 product of which
+    the rows j >= 16 b are stored (the layout before 2026-11-28).
 
     xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
@@ -99,19 +106,32 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     if step_barriers not in (1, 3):
         raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
     check_stages(stages, pipelined)
-    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
     per_wg = features_per_warpgroup(e)
     per_program = COMPUTE_WGS * per_wg
+    by_groups = upper and not square_products and e == d == per_wg * BLOCK
     groups, row_blocks = hx // kv_heads, c // ROWS
     steps = groups * row_blocks
+    # by_groups: a warpgroup's feature t is i = 16 t + 2 p + wg of program p, its col row
+    # 2 t + wg of the step's block (one copy of 2 rows per group); otherwise its features
+    # are per_wg consecutive i, its col row wg * per_wg + t.
+    col_copies = per_wg if by_groups else 1
+    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
+    arrivals = ([2 + col_copies] if step_barriers == 1 else [1, col_copies, 1]
+                ) if by_groups else None
+
+    def col_row(t, wg):
+        return COMPUTE_WGS * t + wg if by_groups else wg * per_wg + t
 
     def kernel(xt_ref, col_ref, a_ref, *refs):
-        *s_refs, ring_arrays, ring_loaded, ring_freed, out = refs
-        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups)
+        outputs = d // BLOCK if upper else 1
+        s_refs, (ring_arrays, ring_loaded, ring_freed), outs = (
+            refs[:outputs], refs[outputs:outputs + 3], refs[outputs + 3:])
+        ring = Ring.of(ring_arrays, ring_loaded, ring_freed, ring_groups, arrivals)
         bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
         bi, hk = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
         chunk0 = lax.axis_index("chunk") * chunks_per_program  # this program's first chunk
-        first = lax.axis_index("features") * per_program  # this program's first i
+        program = lax.axis_index("features")
+        first = program * per_program  # this program's first i (not by_groups)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -119,32 +139,39 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
 
             def step_blocks(slot):
                 """A step's operand builder (the warpgroup's features t -> their operands
-                xt diag(col_i), i its t-th feature) and its a block, once the blocks in its
+                base diag(col_i), i its t-th feature, base the xt block or, by_groups, the
+                a block transposed) and each feature's B operand, once the blocks in its
                 ring slot have landed."""
                 # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
                 xt_smem, col_rows, a_smem = ring.wait_all(slot)
-                xt_block = plgpu.load(xt_smem, (), layout=WGMMA)
+                if by_groups:  # a^T [E, ROWS], read transposed from its [ROWS, E] tile
+                    base = plgpu.layout_cast(plgpu.load(
+                        a_smem.transpose((1, 0)), (), layout=WGMMA_TRANSPOSED), WGMMA)
+                    rhs = [xt_smem.at[pl.ds(BLOCK * t, d - BLOCK * t)].transpose((1, 0))
+                           for t in range(per_wg)]  # [ROWS, D - 16 t]: rows j >= 16 t
+                else:
+                    base, rhs = plgpu.load(xt_smem, (), layout=WGMMA), [a_smem] * per_wg
 
                 def operands(features):
-                    scales = [plgpu.load(col_rows.at[wg * per_wg + t], (), layout=COL_VECTOR)
+                    scales = [plgpu.load(col_rows.at[col_row(t, wg)], (), layout=COL_VECTOR)
                               for t in features]
-                    return [xt_block * by_cols(x.astype(BF16)) for x in scales]
-                return operands, a_smem
+                    return [base * by_cols(x.astype(BF16)) for x in scales]
+                return operands, rhs
 
             def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
                 def visit(step, _):
                     slot = ring.slot(step)
-                    operands, a_smem = step_blocks(slot)
-                    products(acc_refs, operands(range(per_wg)), [a_smem] * per_wg)
+                    operands, rhs = step_blocks(slot)
+                    products(acc_refs, operands(range(per_wg)), rhs)
                     ring.release(slot)
 
                 def halves(step, slot):  # the warpgroup's features in two halves
-                    operands, a_smem = step_blocks(slot)
+                    operands, rhs = step_blocks(slot)
 
                     def half(ts):
-                        return lambda: [(acc_refs[t], operand, a_smem) for t, operand in
+                        return lambda: [(acc_refs[t], operand, rhs[t]) for t, operand in
                                         zip(ts, operands(ts), strict=True)]
-                    return half(range(per_wg // 2)), half(range(per_wg // 2, per_wg))
+                    return tuple(half(ts) for ts in feature_halves)
 
                 if pipelined:
                     products_in_halves(ring, k * steps, (k + 1) * steps, halves)
@@ -154,8 +181,19 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
 
             def sum_and_store(k, _=None):
                 accs = pl.run_scoped(functools.partial(accumulate_all, k),
-                                     *(plgpu.ACC((d, e), F32) for _ in range(per_wg)))
+                                     *(plgpu.ACC(shape, F32) for shape in acc_shapes))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
+                slot = chunk0 + k + slot_offset
+                if by_groups:  # S_i^T stored transposed: S_i's rows j >= 16 t, [D - 16 t, E]
+                    for acc, out in zip(accs, outs, strict=True):
+                        out.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(
+                            acc.astype(BF16), WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    for t, out in enumerate(outs):
+                        plgpu.copy_smem_to_gmem(out.at[wg], s_refs[t].at[
+                            bi, hk, slot, COMPUTE_WGS * program + wg])
+                    return
+                out, = outs
                 for t, acc in enumerate(accs):
                     out.at[wg, t][...] = acc.astype(BF16)
                 plgpu.commit_smem()
@@ -163,12 +201,12 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                     i = first + wg * per_wg + t
                     if not upper:
                         plgpu.copy_smem_to_gmem(out.at[wg, t], s_refs[0].at[
-                            bi, hk, chunk0 + k + slot_offset, pl.ds(i * d, d)])
+                            bi, hk, slot, pl.ds(i * d, d)])
                     for group, s_ref in enumerate(s_refs if upper else ()):
                         lo = BLOCK * group  # the program's features lie in one group
                         pl.when(lax.div(first, BLOCK) == group)(functools.partial(
                             plgpu.copy_smem_to_gmem, out.at[wg, t, pl.ds(lo, d - lo)],
-                            s_ref.at[bi, hk, chunk0 + k + slot_offset, i - lo]))
+                            s_ref.at[bi, hk, slot, i - lo]))
 
             lax.fori_loop(0, chunks_per_program, sum_and_store, None)
             plgpu.wait_smem_to_gmem(0)
@@ -181,24 +219,36 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                 chunk, step_in_chunk = chunk0 + lax.div(step, steps), lax.rem(step, steps)
                 h = hk * groups + lax.div(step_in_chunk, row_blocks)
                 rows = pl.ds(lax.rem(step_in_chunk, row_blocks) * ROWS, ROWS)
-                return (xt_ref.at[bi, h, chunk, :, rows],
-                        col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows],
-                        a_ref.at[bi, h, chunk, rows])
+                if by_groups:  # group t's two rows i = 16 t + 2 p + (0, 1)
+                    cols = [(col_ref.at[bi, h, chunk, pl.ds(BLOCK * t + COMPUTE_WGS * program,
+                                                            COMPUTE_WGS), rows],
+                             pl.ds(COMPUTE_WGS * t, COMPUTE_WGS)) for t in range(per_wg)]
+                else:
+                    cols = col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows]
+                return xt_ref.at[bi, h, chunk, :, rows], cols, a_ref.at[bi, h, chunk, rows]
 
             ring.fill(chunks_per_program * steps, sources)
 
-    if upper and BLOCK % per_program:
+    if upper and not by_groups and BLOCK % per_program:
         raise ValueError(f"upper: a program's {per_program} features must lie in one group of "
                          f"{BLOCK} rows i")
+    if by_groups:  # S_i^T [E, D - 16 t]; halves of equal products (t = 0, 3 and 1, 2)
+        acc_shapes = [(e, d - BLOCK * t) for t in range(per_wg)]
+        feature_halves = ((0, per_wg - 1), tuple(range(1, per_wg - 1)))
+        out_scratch = [swizzled((COMPUTE_WGS, d - BLOCK * t, e), BF16) for t in range(per_wg)]
+    else:
+        acc_shapes = [(d, e)] * per_wg
+        feature_halves = (tuple(range(per_wg // 2)), tuple(range(per_wg // 2, per_wg)))
+        out_scratch = [swizzled((COMPUTE_WGS, per_wg, d, e), BF16)]
     ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages,
-                        ring_groups)
+                        ring_groups, arrivals)
     lead = (b, kv_heads, slots)
     out_type = ([jax.ShapeDtypeStruct(shape, BF16) for shape in upper_shapes(lead, d, e)]
                 if upper else jax.ShapeDtypeStruct((*lead, d * d, e), BF16))
     result = launch(
         kernel, name="sympow_states_rows_to_state",
         out_type=out_type,
-        scratch=(*ring, swizzled((COMPUTE_WGS, per_wg, d, e), BF16)),
+        scratch=(*ring, *out_scratch),
         grid=(n // chunks_per_program, b * kv_heads, d // per_program),
         grid_names=("chunk", "bh", "features"), args=(xt, col, a))
     return tuple(result) if upper else result

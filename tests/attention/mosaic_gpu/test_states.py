@@ -177,8 +177,8 @@ def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
     groups = []
     real_scratch = state_kernels.Ring.scratch
     monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
-        lambda specs, stages, ring_groups=None: groups.append(ring_groups)
-        or real_scratch(specs, stages, ring_groups)))
+        lambda specs, stages, ring_groups=None, arrivals=None: groups.append(ring_groups)
+        or real_scratch(specs, stages, ring_groups, arrivals)))
     shapes = (((1, 2, 2, D, 256), BF16), ((1, 2, 2, D, 256), BF16), ((1, 2, 2, 256, 64), BF16))
     for step_barriers, expected in ((1, [(0, 1, 2)]), (3, None)):
         text = lowered(lambda *x, k=step_barriers: state_sums.rows_to_state(
