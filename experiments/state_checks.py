@@ -151,7 +151,8 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
              "den_upper", "y_slots_upper", "y_packed", "y_z_packed", "den_packed",
              "y_slots_packed", "y_halves", "y_z_halves", "den_halves", "y_slots_halves",
              "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
-             "S_stored_upper_whole_steps", "S_stored_upper_square_products", "y_stored_upper", "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
+             "S_stored_upper_whole_steps", "S_stored_upper_square_products", "y_stored_upper",
+             "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
              "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper")
 
     def flat(value):  # an output or a tuple of them (the upper layout) as one float64 vector

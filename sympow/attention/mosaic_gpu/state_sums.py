@@ -6,7 +6,9 @@ Programs (blocks.py): one per (group of 2 x per_wg features i, chunks_per_progra
 kv head); the ring walks the 64-row blocks of a chunk (over the query heads of a group
 too; a step's xt, col and a blocks on one barrier), each compute warpgroup accumulating
 its per_wg blocks S_i in registers (per_wg = 256 / E), a step's products in two halves
-(`blocks.products_in_halves`).
+(`blocks.products_in_halves`). Stored in the upper layout at E = 64, a warpgroup's four
+features are one of each group of 16 i and each S_i is summed transposed over its stored
+rows only, S_i^T = (a^T diag(col_i)) x[:, 16 b:] (`rows_to_state`'s docstring).
 """
 
 from __future__ import annotations
@@ -48,11 +50,32 @@ ACC_COLUMNS = 256  # float32 accumulator columns a rows_to_state warpgroup holds
 # A program's chunks: 8-step chunks (of 512 rows) paid a program's fixed cost less often
 # over 4 (0.82 -> 0.78 ms a call on an H200, 2026-11-27, profile_states.py).
 CHUNKS_PER_PROGRAM = 4
+# ... and over the stored rows only (`by_groups`), 16 (H100, T = 65,536, H = 8, chunks of
+# 1,024, in turns: 404.5 / 394.9 / 391.1 / 389.4 us at 4 / 8 / 16 / 32, 2026-11-28), as
+# long as the grid keeps MIN_PROGRAMS programs (two an SM of an H100 or H200): fewer
+# chunks a program where the problem is small, never fewer programs than CHUNKS_PER_PROGRAM
+# would give.
+BY_GROUPS_CHUNKS_PER_PROGRAM = 16
+MIN_PROGRAMS = 256
 
 
 def features_per_warpgroup(e: int) -> int:
     """Blocks S_i one rows_to_state warpgroup accumulates at once: [DIM, e] float32 each."""
     return ACC_COLUMNS // e
+
+
+def default_chunks_per_program(n: int, programs_a_chunk: int, by_groups: bool) -> int:
+    """rows_to_state's chunks a program for N chunks and a grid of programs_a_chunk
+    programs per chunk (B Hk D / per_program): gcd(N, CHUNKS_PER_PROGRAM); by_groups,
+    gcd(N, BY_GROUPS_CHUNKS_PER_PROGRAM), halved while the grid would hold fewer than
+    MIN_PROGRAMS programs, but not below the first."""
+    least = math.gcd(n, CHUNKS_PER_PROGRAM)
+    if not by_groups:
+        return least
+    chunks = math.gcd(n, BY_GROUPS_CHUNKS_PER_PROGRAM)
+    while chunks > least and n // chunks * programs_a_chunk < MIN_PROGRAMS:
+        chunks //= 2  # powers of two dividing N, down to least
+    return chunks
 
 
 def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | None = None,
@@ -76,7 +99,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
     of TILE_ROWS, D = DIM.
 
-    chunks_per_program (dividing N; None: gcd(N, CHUNKS_PER_PROGRAM)): consecutive chunks
+    chunks_per_program (dividing N; None: `default_chunks_per_program`): consecutive chunks
     one program sums, one after the other, its ring running on into the next chunk while the
     last one's states are stored (a program's first copies and last stores, which nothing
     overlaps while one program holds an SM, then come once per program, not once per
@@ -100,15 +123,16 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     e = a.shape[-1]
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)
+    per_wg = features_per_warpgroup(e)
+    per_program = COMPUTE_WGS * per_wg
+    by_groups = upper and not square_products and e == d == per_wg * BLOCK
     if chunks_per_program is None:
-        chunks_per_program = math.gcd(n, CHUNKS_PER_PROGRAM)
+        chunks_per_program = default_chunks_per_program(n, b * kv_heads * d // per_program,
+                                                        by_groups)
     check_chunks_per_program(chunks_per_program, n)
     if step_barriers not in (1, 3):
         raise ValueError(f"step_barriers={step_barriers}: 1 (one for xt, col and a) or 3")
     check_stages(stages, pipelined)
-    per_wg = features_per_warpgroup(e)
-    per_program = COMPUTE_WGS * per_wg
-    by_groups = upper and not square_products and e == d == per_wg * BLOCK
     groups, row_blocks = hx // kv_heads, c // ROWS
     steps = groups * row_blocks
     # by_groups: a warpgroup's feature t is i = 16 t + 2 p + wg of program p, its col row

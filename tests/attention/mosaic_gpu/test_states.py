@@ -171,6 +171,59 @@ def test_rows_to_state_walks_up_to_four_chunks_a_program_by_default(launch_grids
         assert launch_grids[-1][0] == chunk_axis
 
 
+def _accumulators(monkeypatch) -> list[tuple[int, ...]]:
+    """The accumulator shapes of every wgmma the kernels trace, in order."""
+    shapes = []
+    real = blocks.plgpu.wgmma
+    monkeypatch.setattr(blocks.plgpu, "wgmma", lambda acc, a, b, real=real, **kw: shapes.append(
+        tuple(acc.shape)) or real(acc, a, b, **kw))
+    return shapes
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_rows_to_state_sums_only_the_stored_rows_of_the_upper_layout(monkeypatch, launch_grids,
+                                                                     pipelined):
+    """upper=True at E = 64: each S_i summed transposed, [E, 64 - 16 t] for a warpgroup's
+    feature t (one of each group of 16 i; in halves t = 0, 3 then 1, 2, so the halves carry
+    equal products), 160 of the square products' 256 columns; the same four upper arrays
+    out. square_products, and E = 128, keep the M = 64 products [64, E]."""
+    shapes = _accumulators(monkeypatch)
+    b, hq, hk, n, c = 1, 2, 2, 2, 256
+
+    def run(e, **kw):
+        shapes.clear()
+        args = (((b, hq, n, D, c), BF16), ((b, hq, n, D, c), BF16), ((b, hq, n, c, e), BF16))
+        text = lowered(lambda *x: state_sums.rows_to_state(
+            *x, kv_heads=hk, upper=True, pipelined=pipelined, **kw), *args)
+        assert text.count("@mosaic_gpu") == 1
+        for group in range(D // state_walks.BLOCK):
+            assert f"tensor<{b}x{hk}x{n}x16x{D - 16 * group}x{e}xbf16>" in text
+        return list(shapes)
+
+    by_groups = [(64, 64), (64, 16), (64, 48), (64, 32)] if pipelined else [
+        (64, 64), (64, 48), (64, 32), (64, 16)]
+    traced = run(64)
+    assert traced == by_groups * (len(traced) // 4) and traced
+    assert sum(cols for _, cols in by_groups) == 160
+    assert set(run(64, square_products=True)) == {(64, 64)}
+    assert set(run(128)) == {(64, 128)}
+
+
+def test_rows_to_state_over_the_stored_rows_walks_more_chunks_a_program(launch_grids):
+    """By groups, gcd(N, 16) chunks a program while the grid keeps 256 programs, else fewer
+    (never fewer than gcd(N, 4), the square products' count)."""
+    f = state_sums.default_chunks_per_program
+    assert [f(64, 64, True), f(64, 64, False), f(16, 256, True), f(16, 64, True),
+            f(24, 256, True), f(64, 8, True), f(3, 8, True)] == [16, 4, 16, 4, 8, 4, 1]
+    c = 128
+    for hk, n, upper, chunk_axis in ((8, 64, True, 4), (8, 64, False, 16), (1, 64, True, 16),
+                                     (8, 16, True, 4)):
+        shapes = (((1, hk, n, D, c), BF16), ((1, hk, n, D, c), BF16), ((1, hk, n, c, 64), BF16))
+        lowered(lambda *x, u=upper, h=hk: state_sums.rows_to_state(*x, kv_heads=h, upper=u),
+                *shapes)
+        assert launch_grids[-1] == (chunk_axis, hk, 8)
+
+
 def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
     """A step's xt, col and a blocks share one ring barrier (one check a step, not three);
     step_barriers=3 keeps a barrier each; any other count is refused by name."""
