@@ -105,8 +105,9 @@ def test_generate_passes_the_model_as_a_pytree_and_reads_its_current_parameters(
         monkeypatch):
     """flax's Modules are jax pytrees: generate hands the model to jit as one (no nnx.split
     on the host); the split path (for models that are not) gives the same tokens, and a
-    parameter changed between calls is the one the next call uses."""
-    model = randomized(tiny("conformal"))
+    parameter changed between calls is the one the next call uses. The model is a clone:
+    `randomized` shares its models between tests, and this one changes a parameter."""
+    model = nnx.clone(randomized(tiny("conformal")))
     prompt = tokens(6, (2, 5))
     assert decode_lib._is_pytree(model)
 
