@@ -68,7 +68,7 @@ def default_chunks_per_program(n: int, programs_a_chunk: int, by_groups: bool) -
     """rows_to_state's chunks a program for N chunks and a grid of programs_a_chunk
     programs per chunk (B Hk D / per_program): gcd(N, CHUNKS_PER_PROGRAM); by_groups,
     gcd(N, BY_GROUPS_CHUNKS_PER_PROGRAM), halved while the grid would hold fewer than
-    MIN_PROGRAMS programs, but not below the first."""
+    MIN_PROGRAMS programs, but never below gcd(N, CHUNKS_PER_PROGRAM)."""
     least = math.gcd(n, CHUNKS_PER_PROGRAM)
     if not by_groups:
         return least
