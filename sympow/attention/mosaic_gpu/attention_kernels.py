@@ -222,7 +222,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
         o_smem, den_smem, m_smem, c_smem = out
         if normalized:  # y = o / den, 0 for a row without weight (`numerics.safe_divide`)
             inverse = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-            acc = (acc * by_rows(inverse, acc.shape)).astype(o_ref.dtype)
+            acc = acc * by_rows(inverse, acc.shape)
+        acc = acc.astype(o_ref.dtype)
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
         store_own([(acc, o_smem, rows_at(o_ref, *mine, chunk)), (den, den_smem, den_ref.at[mine]),
                     (jnp.where(m2 == -jnp.inf, 0.0, m2 * LN2), m_smem, m_ref.at[mine]),
@@ -239,8 +240,9 @@ _KEY_GROUPS = ((0, 1, 2, 3),)
 
 
 def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2,
-                  normalized: bool = False):
-    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32, as the portable tier's `attention_fwd`
+                  normalized: bool = False, o_dtype=None):
+    """(o [B,Hq,N,C,E], den, m [B,Hq,N,C]) float32 (o in o_dtype where given: the float32
+    sums rounded once where they are stored), as the portable tier's `attention_fwd`
     but for m, the rows' shift: the exact row max of the logits or above it by at most
     SEPARABLE_SPREAD log2 units (`weights.separable_weights`; o and den are scaled by the same
     exp(-m), which is all the chunked combine and the backward need), and c [B,Hq,N,C]:
@@ -252,7 +254,9 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2,
     with T = N C (`blocks.in_tokens`; all three alike): o is then [B, T, Hq, E].
     normalized: o comes divided by den (0 where den = 0) and in q's dtype, the attention
     form's output Y (a chunk covers the sequence, so nothing is added to o and den later):
-    no float32 o in device memory, no division in XLA.
+    no float32 o in device memory, no division in XLA. o_dtype: float32 or q's dtype
+    (default: float32, q's with normalized); the chunked combine takes o in bf16, half the
+    bytes written and read, its sums rounded once (`states.PARTIALS_DTYPE`).
     """
     b, hk, n, c = a.shape
     hq, d, e = heads_of(q), q.shape[-1], v.shape[-1]
@@ -261,7 +265,9 @@ def attention_fwd(q, k, v, a, head, tail, *, p: int, stages: int = 2,
     own = own_scratch(tile(d), VECTOR, VECTOR, tile(ROWS))
     own_bars = tuple(plgpu.Barrier(num_barriers=COMPUTE_WGS) for _ in range(3))
     ring = Ring.scratch([tile(d), tile(e), VECTOR, VECTOR], stages, _KEY_GROUPS)
-    o_dtype = q.dtype if normalized else F32
+    o_dtype = jnp.dtype(o_dtype or (q.dtype if normalized else F32))
+    if o_dtype not in (jnp.dtype(F32), jnp.dtype(q.dtype)):
+        raise ValueError(f"o_dtype must be float32 or q's {jnp.dtype(q.dtype)}; got {o_dtype}")
     out = (swizzled((COMPUTE_WGS, ROWS, e), o_dtype), *own_scratch(VECTOR, VECTOR, VECTOR))
     return launch(
         lambda *refs: _fwd_kernel(*refs, p=p, groups=hq // hk, tiles=tiles,

@@ -22,7 +22,10 @@ from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
 
 def primitives(config: AttentionConfig) -> ChunkPrimitives:
     """ChunkPrimitives of the Hopper tier for a resolved AttentionConfig."""
-    portable = portable_primitives.primitives(config, attention=vjps.attention)
+    def attention(plan, q, k, v, a):  # o in the combine's dtype (read at each call)
+        return vjps.attention(plan, q, k, v, a, o_dtype=states.PARTIALS_DTYPE)
+
+    portable = portable_primitives.primitives(config, attention=attention)
 
     def square(x, values, dtype) -> bool:  # x [B, H, N, C, d], values [..., E]
         reason = states.unsupported(config, x.shape[-1], values.shape[-1], x.shape[3], dtype)

@@ -66,6 +66,12 @@ P = 2  # the square layout is phi for p = 2
 # col's dtype in device memory: the kernels round it to bf16 where the tensor cores take
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
+# The dtype of the chunked combine's two partial outputs, the intra-chunk attention's o
+# (scaled by e^-m) and the states' y = phi(u) S: each a kernel's float32 sums rounded once
+# where it stores them, then summed in float32 by `chunked.combine`. bfloat16 halves the
+# bytes the kernels write, the combine reads (forward and backward) and the forward keeps
+# live at its peak; float32 until 2026-11-28.
+PARTIALS_DTYPE = "bfloat16"
 # Whether y = phi(u) S and the update side's da read only the upper blocks of the symmetric
 # states (`state_kernels.state_to_rows(upper=True)`: 62.5 % of the products), and with
 # their short blocks packed into fewer ring steps (`packed`), each step's blocks in two
@@ -166,7 +172,8 @@ state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
 
 @jax.custom_vjp
 def rows_of_state(x, ls, s, z):
-    """(y [B, Hx, N, C, E] float32 = phi(u) S, den [B, Hx, N, C] float32 = phi(u) . z), u =
+    """(y [B, Hx, N, C, E] in PARTIALS_DTYPE = phi(u) S, den [B, Hx, N, C] float32 =
+    phi(u) . z), u =
     x e^ls, with S [B, Hk, slots, d^2, E] bf16 and z [B, Hk, slots, d^2] float32 of kv head
     h // (Hx / Hk), or both in the upper layout (`stored`; the cotangents then too): chunk
     n reads slot n (slots >= N: the slotted prefix sum's N + 1, the last unread; its
@@ -177,7 +184,7 @@ def rows_of_state(x, ls, s, z):
 def _rows_of_state_fwd(x, ls, s, z):
     parts = z_parts(square(z, values=False) if _is_upper(s) else z)
     out = state_kernels.state_to_rows(
-        x, columns(x, ls), s, transposed=False, **_upper_options(),
+        x, columns(x, ls), s, transposed=False, **_upper_options(), out_dtype=PARTIALS_DTYPE,
         normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
     return out, (x, ls, s, parts)
 

@@ -73,14 +73,15 @@ def log_fallback(kernels: str, reason: str) -> None:
                    kernels, reason)
 
 
-def attention(plan: Plan, q, k, v, a):
+def attention(plan: Plan, q, k, v, a, *, o_dtype: str = "float32"):
     """Intra-chunk attention (o, den, m) for log gates a [B, Hk, N, C], as the portable tier's
-    `vjps.attention`."""
+    `vjps.attention`; o in o_dtype (float32, or q's dtype: the kernel's float32 sums rounded
+    where it stores them) from the Mosaic GPU kernels, float32 from the portable ones."""
     reason = unsupported(plan)
     if reason is not None:
         log_fallback("attention", reason)
         return portable.attention(plan, q, k, v, a)
-    return _hopper_attention(plan, q, k, v, a)
+    return _hopper_attention(plan, o_dtype, q, k, v, a)
 
 
 def normalized_in_tokens(plan: Plan, q, k, v, a):
@@ -106,18 +107,19 @@ class Residuals(NamedTuple):
     c: jax.Array  # the rows' scale exponents (`attention_kernels.attention_fwd`)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _hopper_attention(plan: Plan, q, k, v, a):
-    return _attention_fwd(plan, q, k, v, a)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _hopper_attention(plan: Plan, o_dtype: str, q, k, v, a):
+    return _attention_fwd(plan, o_dtype, q, k, v, a)[0]
 
 
-def _attention_fwd(plan, q, k, v, a):
+def _attention_fwd(plan, o_dtype, q, k, v, a):
     head, tail = portable_kernels.block_gate_sums(a, plan)
-    o, den, m, c = attention_kernels.attention_fwd(q, k, v, a, head, tail, p=plan.p)
+    o, den, m, c = attention_kernels.attention_fwd(q, k, v, a, head, tail, p=plan.p,
+                                                   o_dtype=o_dtype)
     return (o, den, m), Residuals(q, k, v, a, m, c)
 
 
-def _attention_bwd(plan, res: Residuals, cts):
+def _attention_bwd(plan, _o_dtype, res: Residuals, cts):
     do, dden, _ = cts  # m is a stop_gradient'ed row max, as in the oracle: no cotangent
     return _backward(plan, res, do, dden)
 

@@ -51,17 +51,19 @@ LAYOUTS = pytest.mark.parametrize("tokens", [False, True], ids=["chunks", "token
 
 
 @LAYOUTS
-@pytest.mark.parametrize("normalized", [False, True], ids=["o", "y"])
+@pytest.mark.parametrize(("normalized", "o_dtype"),
+                         [(False, None), (True, None), (False, jnp.bfloat16)],
+                         ids=["o", "y", "o_bf16"])
 @pytest.mark.parametrize(("b", "hq", "hk", "n", "c", "d", "e", "p"), SHAPES)
 def test_the_forward_lowers_to_one_mosaic_gpu_kernel(b, hq, hk, n, c, d, e, p, tokens,
-                                                     normalized):
+                                                     normalized, o_dtype):
     """The outputs: o (in q's layout; float32, or with normalized=True o / den in q's dtype,
-    bf16), den, m and the row scales c [B, Hq, N, C], float32."""
-    text = lowered(lambda *x: attention_kernels.attention_fwd(*x, p=p, normalized=normalized),
-                   *operands(b, hq, hk, n, c, d, e, tokens))
+    bf16, or in the o_dtype asked for), den, m and the row scales c [B, Hq, N, C], float32."""
+    text = lowered(lambda *x: attention_kernels.attention_fwd(
+        *x, p=p, normalized=normalized, o_dtype=o_dtype), *operands(b, hq, hk, n, c, d, e, tokens))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     rows = tensor((b, hq, n, c), "f32")
-    wide_dtype = "bf16" if normalized else "f32"
+    wide_dtype = "bf16" if normalized or o_dtype == jnp.bfloat16 else "f32"
     assert f"{tensor(wide(b, hq, n, c, e, tokens), wide_dtype)}, {rows}, {rows}, {rows}" in text
 
 
@@ -134,6 +136,12 @@ def test_the_backward_takes_a_ring_of_one_slot_per_compute_warpgroup():
                                               ((1, 2, 1, 128), jnp.float32)]
     with pytest.raises(ValueError, match="stages must be 2"):
         lowered(lambda *x: backward_kernel.attention_bwd(*x, p=2, stages=3), *shapes)
+
+
+def test_o_is_float32_or_in_the_inputs_dtype():
+    with pytest.raises(ValueError, match="o_dtype must be float32 or q's bfloat16; got float16"):
+        jax.eval_shape(lambda *x: attention_kernels.attention_fwd(*x, p=2, o_dtype=jnp.float16),
+                       *(jax.ShapeDtypeStruct(*spec) for spec in operands(1, 2, 2, 1, 128, 64, 64)))
 
 
 def test_the_shapes_they_take_are_whole_programs():

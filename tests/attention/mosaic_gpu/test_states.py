@@ -733,10 +733,12 @@ def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng, upper):
                 jnp.sum(phi(u) * repeat(z)[:, :, :, None], axis=-1))
 
     # rows_of_state: chunk n reads slot n, of N or of N + 1 slots (the last unread); the
-    # cotangents in the layout of the state
-    dy = (jnp.asarray(rng.normal(size=(b, hq, n, c, e)), F32),
+    # cotangents in the layout of the state; y in the combine's partials' dtype (bf16)
+    y, den = states.rows_of_state(x, ls, *stored((s, z)))
+    assert (y.dtype, den.dtype) == (jnp.dtype(states.PARTIALS_DTYPE), F32) == (BF16, F32)
+    dy = (jnp.asarray(rng.normal(size=(b, hq, n, c, e)), BF16),
           jnp.asarray(rng.normal(size=(b, hq, n, c)), F32))
-    want = by_autodiff(rows_definition, (x, ls, s, z), dy)
+    want = by_autodiff(rows_definition, (x, ls, s, z), (dy[0].astype(F32), dy[1]))
     grads = by_autodiff(states.rows_of_state, (x, ls, *stored((s, z))), dy)
     assert jax.tree.structure(grads[2:]) == jax.tree.structure(stored((s, z)))
     close([*grads[:2], *square(grads[2:])], want)

@@ -103,10 +103,10 @@ def test_the_hopper_backward_assembles_the_portable_gradients(rng, monkeypatch):
     Mosaic kernels, the Hopper primitive's outputs and gradients are the portable
     primitive's: its residuals, diagonal straddle sums, pair masking and gate cotangent
     are wired as that tier's."""
-    def portable_forward(q, k, v, a, head, tail, *, p):  # and c, which the definitions skip
-        o, den, m = portable_kernels.attention_fwd(q, k, v, a, head, tail,
+    def portable_forward(q, k, v, a, head, tail, *, p, o_dtype):  # and c, which the
+        o, den, m = portable_kernels.attention_fwd(q, k, v, a, head, tail,  # definitions skip
                                                    dataclasses.replace(plan, p=p))
-        return o, den, m, jnp.full_like(m, jnp.nan)
+        return o.astype(o_dtype), den, m, jnp.full_like(m, jnp.nan)
 
     monkeypatch.setattr(attention_kernels, "attention_fwd", portable_forward)
     monkeypatch.setattr(backward_kernel, "attention_bwd", kernel_outputs_by_definition)
@@ -117,13 +117,21 @@ def test_the_hopper_backward_assembles_the_portable_gradients(rng, monkeypatch):
     ct = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.float32)
                for x in jax.eval_shape(lambda: portable.attention(plan, q, k, v, a)))
     ct = (ct[0], ct[1], jnp.zeros_like(ct[2]))  # m: a row max, no cotangent
-    got = out_and_vjp(lambda *x: vjps._hopper_attention(plan, *x), (q, k, v, a), ct)
+    got = out_and_vjp(lambda *x: vjps._hopper_attention(plan, "float32", *x), (q, k, v, a), ct)
     want = out_and_vjp(lambda *x: portable.attention(plan, *x), (q, k, v, a), ct)
     # relative L2 error: the definitions take decays as differences of cumulative sums, a
     # float32 rounding that dq and dk (sums with cancellation) carry to ~1e-6 of their size
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert np.all(np.isfinite(np.asarray(x)))
         assert testing.rel_err(x, y) <= 1e-5, testing.rel_err(x, y)
+    # o in bf16 (the chunked combine's): the float32 o rounded once, the rest as before
+    (o, *rest), grads = out_and_vjp(lambda *x: vjps._hopper_attention(plan, "bfloat16", *x),
+                                    (q, k, v, a), (ct[0].astype(jnp.bfloat16), *ct[1:]))
+    assert o.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(got[0][0].astype(jnp.bfloat16)))
+    for x, y in zip(jax.tree.leaves((rest, grads)), jax.tree.leaves((got[0][1:], got[1])),
+                    strict=True):
+        assert testing.rel_err(x, y) <= 2 ** -8, testing.rel_err(x, y)  # do rounded to bf16
 
 
 def _chunks(x):  # a wide array [B, T, H, W] -> [B, H, 1, T, W]
