@@ -39,6 +39,7 @@ prefix sum counts an entry right of a diagonal block twice in g_last's cotangent
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -86,6 +87,10 @@ STORED_UPPER = True
 # features a program means more programs walking at once (H200, T = 65,536, H = 8, upper
 # layout: 352.9 / 272.1 / 264.8 us forward and backward at 64 / 32 / 16; docs/kernels.md).
 PREFIX_FEATURE_BLOCK = 16
+# ... and its Triton pipeline depth and warps (`PrefixPlan.stages`, `.warps`): each program
+# holds one [bf, E] block of a chunk in flight a stage.
+PREFIX_STAGES = 2
+PREFIX_WARPS = 4
 
 
 def _upper_options() -> dict[str, bool]:
@@ -264,9 +269,11 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     # in the upper state_to_rows (1 in a diagonal block, 2 right of one)
     weights = (tuple(y.reshape(-1) for y in state_references.upper_arrays(
         state_references.upper_weights()[:, None])) if upper else None)
-    features = math.gcd(PREFIX_FEATURE_BLOCK, *(y.shape[-2] for y in flat_s))  # divides each F
-    s_in, z_in, s_fin, z_fin = portable.prefix_sum(
-        prefix_plan(features, config.interpret, slotted), flat_s, flat_z, g_last, weights)
+    # divides each F (int(): a benchmark may set the three as strings)
+    features = math.gcd(int(PREFIX_FEATURE_BLOCK), *(y.shape[-2] for y in flat_s))
+    plan = dataclasses.replace(prefix_plan(features, config.interpret, slotted),
+                               stages=int(PREFIX_STAGES), warps=int(PREFIX_WARPS))
+    s_in, z_in, s_fin, z_fin = portable.prefix_sum(plan, flat_s, flat_z, g_last, weights)
     s_in = tuple(y[..., :e].reshape(x.shape) for y, x in zip(s_in, s_groups, strict=True))
     z_in = tuple(y.reshape(x.shape) for y, x in zip(z_in, z_groups, strict=True))
     s_fin = tuple(y[..., :e].reshape(*y.shape[:2], *x.shape[3:])

@@ -862,6 +862,23 @@ def test_the_prefix_sums_of_the_upper_layout_are_those_of_the_square_one(rng, sl
         (features // states.PREFIX_FEATURE_BLOCK, b * hk)] * 2  # at most 16 features a program
 
 
+def test_the_prefix_sum_takes_the_tiers_block_stages_and_warps(monkeypatch, rng):
+    """states.PREFIX_FEATURE_BLOCK, PREFIX_STAGES and PREFIX_WARPS reach the kernels' plan,
+    also as the strings a benchmark's settings are (`benchmark.apply_settings`)."""
+    for name, value in (("PREFIX_FEATURE_BLOCK", "8"), ("PREFIX_STAGES", "3"),
+                        ("PREFIX_WARPS", "2")):
+        monkeypatch.setattr(states, name, value)
+    plans, prefix_sum = [], states.portable.prefix_sum
+    monkeypatch.setattr(states.portable, "prefix_sum",
+                        lambda plan, *args: plans.append(plan) or prefix_sum(plan, *args))
+    b, hk, n, e = 1, 1, 2, 16
+    s, z = _stored((_symmetric_state(rng, b, hk, n + 1, e),
+                    _symmetric_normalizer(rng, b, hk, n + 1)), True)
+    states.prefix_sum(CONFIG, s, z, jnp.zeros((b, hk, n), F32))
+    assert [(plan.bf, plan.stages, plan.warps, plan.slotted) for plan in plans] == [
+        (8, 3, 2, True)]
+
+
 def _symmetrized(y):
     """[B, Hk, slots, D^2(, E)] made symmetric in (i, j) by the mean with its mirror."""
     square = y.reshape(*y.shape[:3], D, D, *y.shape[4:])
