@@ -69,11 +69,13 @@ _CHUNK = flags.DEFINE_integer("chunk", 1024, "chunk of the timed problem")
 _REPS = flags.DEFINE_integer("reps", 30, "timed rounds in turns")
 
 
-def row_gradients_upper(a, x, w, col, s):
+def row_gradients_upper(a, x, w, col, s, leave_out: str = ""):
     """g [B, H, N, C, D] float32 = sum_k col[k, r] a_r S_k^T from the upper layout's
     arrays s (`state_walks.upper_shapes`, kv heads = H) of a symmetric state: a
     [B, H, N, C, E], x [B, H, N, C, D] bf16, w = e^(2 ls) [B, H, N, C] float32 and
-    col [B, H, N, D, C] bf16 (col[k, r] = x[r, k] w[r], rounded as `states.columns`)."""
+    col [B, H, N, D, C] bf16 (col[k, r] = x[r, k] w[r], rounded as `states.columns`).
+    leave_out: "direct", "mirror" or both ("direct+mirror") skips that part's CUDA-core
+    work (a wrong g: to time what each part costs)."""
     b, h, n, c, e = a.shape
     d = x.shape[-1]
     if c % (COMPUTE_WGS * ROWS) or d != 64 or e != 64:
@@ -129,10 +131,12 @@ def row_gradients_upper(a, x, w, col, s):
                         k = seg.place(step, u, d)[0]
                         col_k = plgpu.load(col_smem.at[wg, k], (), layout=ROW_VECTOR)
                         col_k = by_rows(col_k.astype(F32), (ROWS, BLOCK))
-                        for target in range(group, groups):  # direct: columns j >= lo
+                        for target in range(group, groups) if "direct" not in leave_out else ():
+                            # direct: columns j >= lo
                             start = BLOCK * (target - group)
                             gs[target] = gs[target] + col_k * m[:, start:start + BLOCK]
-                        if lo + BLOCK < d:  # mirror: into column k, from j >= lo + 16
+                        if lo + BLOCK < d and "mirror" not in leave_out:  # mirror: into column k,
+                            # from j >= lo + 16
                             dot = jnp.sum(m[:, BLOCK:] * col_t[:, lo + BLOCK:], axis=1)
                             gs[group] = gs[group] + jnp.where(
                                 column == k - lo, by_rows(dot, (ROWS, BLOCK)), 0.0)
@@ -213,13 +217,18 @@ def timing() -> list[dict]:
         n, c, h = _T.value // _CHUNK.value, _CHUNK.value, _HEADS.value
         a, x, w, col, _, upper = problem(jax.random.key(1), 1, h, n, c)
         tier = jax.jit(lambda *args: state_kernels.row_gradients(*args[:3], args[3:]))
-        calls = [(tier, (a, x, col, *upper)), (_probe, (a, x, w, col, *upper))]
+        parts = [jax.jit(lambda *args, left=left: row_gradients_upper(*args[:4], args[4:], left))
+                 for left in ("mirror", "direct", "direct+mirror")]
+        calls = [(tier, (a, x, col, *upper)), (_probe, (a, x, w, col, *upper))] + [
+            (part, (a, x, w, col, *upper)) for part in parts]
         us = kernel_times_interleaved(calls, reps=_REPS.value,
                                       prefix="sympow_states_row_gradients")
         useful = 2 * h * _T.value * (64 * 65 // 2) * 64  # profile_states' useful FLOP
         check = against(_probe(a, x, w, col, *upper),
                         tier(a, x, col, *upper)[0].astype(F32) / 2.0, tol=1e-2)  # dx = 2 g
         return {"row_gradients_us": us[0], "probe_us": us[1], "ratio": us[1] / us[0],
+                "without_mirror_us": us[2], "without_direct_us": us[3],
+                "products_only_us": us[4],
                 "useful_tflops": [useful / t / 1e6 for t in us],
                 "against_row_gradients": check}
     return [attempt({"probe": "timing", "t": _T.value, "heads": _HEADS.value,
