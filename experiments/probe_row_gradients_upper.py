@@ -69,13 +69,15 @@ _CHUNK = flags.DEFINE_integer("chunk", 1024, "chunk of the timed problem")
 _REPS = flags.DEFINE_integer("reps", 30, "timed rounds in turns")
 
 
-def row_gradients_upper(a, x, w, col, s, leave_out: str = ""):
+def row_gradients_upper(a, x, w, col, s, leave_out: str = "", overlap: bool = False):
     """g [B, H, N, C, D] float32 = sum_k col[k, r] a_r S_k^T from the upper layout's
     arrays s (`state_walks.upper_shapes`, kv heads = H) of a symmetric state: a
     [B, H, N, C, E], x [B, H, N, C, D] bf16, w = e^(2 ls) [B, H, N, C] float32 and
     col [B, H, N, D, C] bf16 (col[k, r] = x[r, k] w[r], rounded as `states.columns`).
     leave_out: "direct", "mirror" or both ("direct+mirror") skips that part's CUDA-core
-    work (a wrong g: to time what each part costs)."""
+    work (a wrong g: to time what each part costs). overlap: a step's second product runs
+    while the first block's CUDA-core work is done (its accumulator loaded with one
+    product still in flight), instead of both waited for first."""
     b, h, n, c, e = a.shape
     d = x.shape[-1]
     if c % (COMPUTE_WGS * ROWS) or d != 64 or e != 64:
@@ -109,12 +111,19 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = ""):
                      * by_rows(weights, (ROWS, d))).astype(BF16).astype(F32)
             column = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=WGMMA)
 
-            def products(tiles, n_cols):  # M = a S_k[lo:]^T of the step's two blocks
+            def step_products(tiles, n_cols, use):  # M = a S_k[lo:]^T of a step's blocks
                 def body(*acc_refs):
                     for acc_ref, tile_ref in zip(acc_refs, tiles, strict=True):
                         plgpu.wgmma(acc_ref, a_smem.at[wg],
                                     tile_ref.at[pl.ds(0, n_cols)].transpose((1, 0)))
-                    return tuple(acc_ref[...] for acc_ref in acc_refs)
+                    if not overlap:
+                        plgpu.wgmma_wait(0)
+                    carry = None
+                    for u, acc_ref in enumerate(acc_refs):  # block u once its product is done
+                        in_flight = len(acc_refs) - 1 - u if overlap else 0
+                        carry = use(u, plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight),
+                                    carry)
+                    return carry
                 return pl.run_scoped(body, *(plgpu.ACC((ROWS, n_cols), F32) for _ in tiles))
 
             def walk(seg, gs):
@@ -124,10 +133,9 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = ""):
                 def visit(step, gs):
                     slot = ring.slot(step)
                     tiles = ring.wait(slot, 0)
-                    ms = products(tiles, n_cols)
-                    ring.release(slot)
-                    gs = list(gs)
-                    for u, m in enumerate(ms):
+
+                    def use(u, m, gs):
+                        gs = list(gs)
                         k = seg.place(step, u, d)[0]
                         col_k = plgpu.load(col_smem.at[wg, k], (), layout=ROW_VECTOR)
                         col_k = by_rows(col_k.astype(F32), (ROWS, BLOCK))
@@ -140,7 +148,12 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = ""):
                             dot = jnp.sum(m[:, BLOCK:] * col_t[:, lo + BLOCK:], axis=1)
                             gs[group] = gs[group] + jnp.where(
                                 column == k - lo, by_rows(dot, (ROWS, BLOCK)), 0.0)
-                    return tuple(gs)
+                        return tuple(gs)
+
+                    gs = step_products(tiles, n_cols, lambda u, m, carry: use(
+                        u, m, gs if carry is None else carry))
+                    ring.release(slot)
+                    return gs
 
                 return lax.fori_loop(seg.first, seg.first + seg.steps, visit, gs)
 
@@ -202,7 +215,8 @@ def correctness() -> list[dict]:
     def measure():
         a, x, w, col, square, upper = problem(jax.random.key(0), 1, 2, 2, 256)
         want = state_references.state_to_rows_reference(a, col, square, transposed=True)
-        return against(_probe(a, x, w, col, *upper), want)  # same products, other order
+        return {"serial": against(_probe(a, x, w, col, *upper), want),  # same products,
+                "overlapped": against(_overlapped(a, x, w, col, *upper), want)}  # other order
     return [attempt({"probe": "against_definition", "shape": [1, 2, 2, 256]}, measure)]
 
 
@@ -219,6 +233,7 @@ def timing() -> list[dict]:
         tier = jax.jit(lambda *args: state_kernels.row_gradients(*args[:3], args[3:]))
         parts = [jax.jit(lambda *args, left=left: row_gradients_upper(*args[:4], args[4:], left))
                  for left in ("mirror", "direct", "direct+mirror")]
+        parts.append(_overlapped)
         calls = [(tier, (a, x, col, *upper)), (_probe, (a, x, w, col, *upper))] + [
             (part, (a, x, w, col, *upper)) for part in parts]
         us = kernel_times_interleaved(calls, reps=_REPS.value,
@@ -228,7 +243,10 @@ def timing() -> list[dict]:
                         tier(a, x, col, *upper)[0].astype(F32) / 2.0, tol=1e-2)  # dx = 2 g
         return {"row_gradients_us": us[0], "probe_us": us[1], "ratio": us[1] / us[0],
                 "without_mirror_us": us[2], "without_direct_us": us[3],
-                "products_only_us": us[4],
+                "products_only_us": us[4], "overlapped_us": us[5],
+                "overlapped_against_row_gradients": against(
+                    _overlapped(a, x, w, col, *upper),
+                    tier(a, x, col, *upper)[0].astype(F32) / 2.0, tol=1e-2),
                 "useful_tflops": [useful / t / 1e6 for t in us],
                 "against_row_gradients": check}
     return [attempt({"probe": "timing", "t": _T.value, "heads": _HEADS.value,
@@ -236,6 +254,7 @@ def timing() -> list[dict]:
 
 
 _probe = jax.jit(lambda *args: row_gradients_upper(*args[:4], args[4:]))
+_overlapped = jax.jit(lambda *args: row_gradients_upper(*args[:4], args[4:], overlap=True))
 
 
 def main(argv):

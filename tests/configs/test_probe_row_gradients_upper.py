@@ -1,5 +1,6 @@
 """experiments/probe_row_gradients_upper.py on the CPU: its Mosaic GPU kernel (the row
-gradients from the stored rows of the upper layout) lowers for CUDA here, one kernel that
+gradients from the stored rows of the upper layout; a step's products waited for at once,
+or overlapped with the first block's CUDA-core work) lowers for CUDA here, one kernel that
 takes the upper layout's four arrays and writes g in float32; it names what it does not
 take (its refusal off a Hopper GPU: test_probes.py). Each check runs in its own process:
 the script's absl flags must not join this process's."""
@@ -11,6 +12,7 @@ import json
 from tests.configs.test_probes import lowering_script, run
 
 LOWER = lowering_script("probe_row_gradients_upper", """
+import functools
 from sympow.attention.mosaic_gpu.state_walks import upper_shapes
 b, h, n, c = 1, 2, 2, 256
 f32 = jnp.float32
@@ -20,11 +22,12 @@ def args(c, d=64):
              jax.ShapeDtypeStruct((b, h, n, c), f32),
              jax.ShapeDtypeStruct((b, h, n, d, c), jnp.bfloat16)]
             + [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in upper_shapes((b, h, n), d, 64)])
-fn = lambda *x: probe.row_gradients_upper(*x[:4], x[4:])
-text = jax.jit(fn).trace(*args(c)).lower(lowering_platforms=("cuda",)).as_text()
+fn = lambda *x, overlap=False: probe.row_gradients_upper(*x[:4], x[4:], overlap=overlap)
+texts = [jax.jit(functools.partial(fn, overlap=overlap)).trace(*args(c)).lower(
+    lowering_platforms=("cuda",)).as_text() for overlap in (False, True)]
 print(json.dumps({
-    "kernels": text.count("stablehlo.custom_call @mosaic_gpu"),
-    "output": f"tensor<{b}x{h}x{n}x{c}x64xf32>" in text,
+    "kernels": [text.count("stablehlo.custom_call @mosaic_gpu") for text in texts],
+    "output": all(f"tensor<{b}x{h}x{n}x{c}x64xf32>" in text for text in texts),
     "short_chunk": outcome(lambda: jax.eval_shape(fn, *args(64))),
 }))
 """)
@@ -34,5 +37,5 @@ def test_the_kernel_lowers_for_cuda_and_names_what_it_does_not_take():
     done = run("-c", LOWER)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["kernels"] == 1 and got["output"] is True, got
+    assert got["kernels"] == [1, 1] and got["output"] is True, got  # serial, overlapped
     assert "C a multiple of 128; got d=64, e=64, C=64" in got["short_chunk"], got
