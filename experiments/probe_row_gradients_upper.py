@@ -21,7 +21,10 @@ cores one multiply-add per entry of M_k for `direct`, one more right of the diag
 for `mirror` plus a row sum and a select into column k. This probe builds that kernel
 without the normalizer's quadratic form and dls (g in float32), checks it against the
 definition, and times it against `state_kernels.row_gradients` (no normalizer) over the
-same stored state, by kernel time in turns:
+same stored state, by kernel time in turns, under three schedules of the CUDA-core work
+against the products (`SCHEDULES`) and with its parts left out. Measured (H200,
+2026-11-28, docs/kernels.md): serial 585 us against row_gradients' 388, its products
+alone 306; "in_step" and "lagged" were written after, not yet run on a GPU.
 
   PYTHONPATH=. python3 experiments/probe_row_gradients_upper.py --out=$OUT
 
@@ -69,17 +72,24 @@ _CHUNK = flags.DEFINE_integer("chunk", 1024, "chunk of the timed problem")
 _REPS = flags.DEFINE_integer("reps", 30, "timed rounds in turns")
 
 
-def row_gradients_upper(a, x, w, col, s, leave_out: str = "", overlap: bool = False):
+SCHEDULES = ("serial", "in_step", "lagged")
+
+
+def row_gradients_upper(a, x, w, col, s, leave_out: str = "", schedule: str = "serial"):
     """g [B, H, N, C, D] float32 = sum_k col[k, r] a_r S_k^T from the upper layout's
     arrays s (`state_walks.upper_shapes`, kv heads = H) of a symmetric state: a
     [B, H, N, C, E], x [B, H, N, C, D] bf16, w = e^(2 ls) [B, H, N, C] float32 and
     col [B, H, N, D, C] bf16 (col[k, r] = x[r, k] w[r], rounded as `states.columns`).
     leave_out: "direct", "mirror" or both ("direct+mirror") skips that part's CUDA-core
-    work (a wrong g: to time what each part costs). overlap: a step's second product runs
-    while the first block's CUDA-core work is done (its accumulator loaded with one
-    product still in flight), instead of both waited for first."""
+    work (a wrong g: to time what each part costs). schedule: "serial" waits for a step's
+    two products, then does both blocks' CUDA-core work; "in_step" does the first block's
+    work while the second product runs; "lagged" does every block's work while the next
+    block's product runs (the next step's first under this step's second: two
+    accumulators, each zeroed once read)."""
     b, h, n, c, e = a.shape
     d = x.shape[-1]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     if c % (COMPUTE_WGS * ROWS) or d != 64 or e != 64:
         raise ValueError(f"the probe takes d = e = 64 and C a multiple of {COMPUTE_WGS * ROWS}; "
                          f"got d={d}, e={e}, C={c}")
@@ -111,56 +121,80 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = "", overlap: bool = Fa
                      * by_rows(weights, (ROWS, d))).astype(BF16).astype(F32)
             column = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=WGMMA)
 
-            def step_products(tiles, n_cols, use):  # M = a S_k[lo:]^T of a step's blocks
-                def body(*acc_refs):
-                    for acc_ref, tile_ref in zip(acc_refs, tiles, strict=True):
-                        plgpu.wgmma(acc_ref, a_smem.at[wg],
-                                    tile_ref.at[pl.ds(0, n_cols)].transpose((1, 0)))
-                    if not overlap:
-                        plgpu.wgmma_wait(0)
-                    carry = None
-                    for u, acc_ref in enumerate(acc_refs):  # block u once its product is done
-                        in_flight = len(acc_refs) - 1 - u if overlap else 0
-                        carry = use(u, plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight),
-                                    carry)
-                    return carry
-                return pl.run_scoped(body, *(plgpu.ACC((ROWS, n_cols), F32) for _ in tiles))
-
-            def walk(seg, gs):
+            def block_work(seg, step, u, m, gs):  # block u of the step: its M into g
                 lo, group = seg.lo, seg.lo // BLOCK
-                n_cols = d - lo
+                gs = list(gs)
+                k = seg.place(step, u, d)[0]
+                col_k = plgpu.load(col_smem.at[wg, k], (), layout=ROW_VECTOR)
+                col_k = by_rows(col_k.astype(F32), (ROWS, BLOCK))
+                for target in range(group, groups) if "direct" not in leave_out else ():
+                    start = BLOCK * (target - group)  # direct: columns j >= lo
+                    gs[target] = gs[target] + col_k * m[:, start:start + BLOCK]
+                if lo + BLOCK < d and "mirror" not in leave_out:  # mirror: into column k,
+                    dot = jnp.sum(m[:, BLOCK:] * col_t[:, lo + BLOCK:], axis=1)  # j >= lo + 16
+                    gs[group] = gs[group] + jnp.where(
+                        column == k - lo, by_rows(dot, (ROWS, BLOCK)), 0.0)
+                return tuple(gs)
 
+            def issue(seg, step, u, acc_ref):  # M of block u of the step, into acc_ref
+                tile_ref = ring.arrays[u].at[ring.slot(step)]
+                plgpu.wgmma(acc_ref, a_smem.at[wg],
+                            tile_ref.at[pl.ds(0, d - seg.lo)].transpose((1, 0)))
+
+            def walk_in_steps(seg, gs):  # a step's two products, then its two blocks' work
                 def visit(step, gs):
                     slot = ring.slot(step)
-                    tiles = ring.wait(slot, 0)
+                    ring.wait(slot, 0)
 
-                    def use(u, m, gs):
-                        gs = list(gs)
-                        k = seg.place(step, u, d)[0]
-                        col_k = plgpu.load(col_smem.at[wg, k], (), layout=ROW_VECTOR)
-                        col_k = by_rows(col_k.astype(F32), (ROWS, BLOCK))
-                        for target in range(group, groups) if "direct" not in leave_out else ():
-                            # direct: columns j >= lo
-                            start = BLOCK * (target - group)
-                            gs[target] = gs[target] + col_k * m[:, start:start + BLOCK]
-                        if lo + BLOCK < d and "mirror" not in leave_out:  # mirror: into column k,
-                            # from j >= lo + 16
-                            dot = jnp.sum(m[:, BLOCK:] * col_t[:, lo + BLOCK:], axis=1)
-                            gs[group] = gs[group] + jnp.where(
-                                column == k - lo, by_rows(dot, (ROWS, BLOCK)), 0.0)
-                        return tuple(gs)
-
-                    gs = step_products(tiles, n_cols, lambda u, m, carry: use(
-                        u, m, gs if carry is None else carry))
+                    def body(*acc_refs):
+                        for u, acc_ref in enumerate(acc_refs):
+                            issue(seg, step, u, acc_ref)
+                        out = gs
+                        for u, acc_ref in enumerate(acc_refs):  # in_step: block 0's work
+                            in_flight = 1 - u if schedule == "in_step" else 0  # under 1's
+                            out = block_work(seg, step, u, plgpu.wgmma_accumulator_load(
+                                acc_ref, wait_n=in_flight), out)
+                        return out
+                    gs = pl.run_scoped(body, *(plgpu.ACC((ROWS, d - seg.lo), F32)
+                                               for _ in range(2)))
                     ring.release(slot)
                     return gs
-
                 return lax.fori_loop(seg.first, seg.first + seg.steps, visit, gs)
+
+            def walk_lagged(seg, gs):  # each block's work under the next block's product
+                end = seg.first + seg.steps
+
+                def body(acc0, acc1):
+                    zeros_ = plgpu.layout_cast(jnp.zeros((ROWS, d - seg.lo), F32), WGMMA)
+
+                    def taken(acc_ref, in_flight):  # its M, the ref zeroed for the next
+                        m = plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight)
+                        acc_ref[...] = zeros_
+                        return m
+
+                    def visit(step, gs, last: bool):
+                        issue(seg, step, 1, acc1)
+                        gs = block_work(seg, step, 0, taken(acc0, 1), gs)
+                        if not last:  # the next step's first block under this one's second
+                            ring.wait(ring.slot(step + 1), 0)
+                            issue(seg, step + 1, 0, acc0)
+                        m = taken(acc1, 0 if last else 1)
+                        ring.release(ring.slot(step))
+                        return block_work(seg, step, 1, m, gs)
+
+                    ring.wait(ring.slot(seg.first), 0)
+                    issue(seg, seg.first, 0, acc0)
+                    gs_ = lax.fori_loop(seg.first, end - 1,
+                                        lambda step, g: visit(step, g, last=False), gs)
+                    return visit(end - 1, gs_, last=True)
+
+                return pl.run_scoped(body, *(plgpu.ACC((ROWS, d - seg.lo), F32)
+                                             for _ in range(2)))
 
             gs = tuple(plgpu.layout_cast(jnp.zeros((ROWS, BLOCK), F32), WGMMA)
                        for _ in range(groups))
             for seg in segments:
-                gs = walk(seg, gs)
+                gs = (walk_lagged if schedule == "lagged" else walk_in_steps)(seg, gs)
             for g, buf in zip(gs, out_smem, strict=True):
                 buf.at[wg][...] = g
             plgpu.commit_smem()
@@ -208,53 +242,54 @@ def problem(key, b: int, h: int, n: int, c: int):
             state_references.upper_arrays(square))
 
 
+def _probe(schedule: str = "serial", leave_out: str = ""):
+    return jax.jit(lambda *args: row_gradients_upper(*args[:4], args[4:], leave_out, schedule))
+
+
 def correctness() -> list[dict]:
-    """Against the definition over whole blocks (float32 sums of the same bf16 operands)."""
+    """Each schedule against the definition over whole blocks (float32 sums of the same bf16
+    operands, in another order)."""
     from sympow.attention.mosaic_gpu import state_references
 
     def measure():
         a, x, w, col, square, upper = problem(jax.random.key(0), 1, 2, 2, 256)
         want = state_references.state_to_rows_reference(a, col, square, transposed=True)
-        return {"serial": against(_probe(a, x, w, col, *upper), want),  # same products,
-                "overlapped": against(_overlapped(a, x, w, col, *upper), want)}  # other order
+        return {schedule: against(_probe(schedule)(a, x, w, col, *upper), want)
+                for schedule in SCHEDULES}
     return [attempt({"probe": "against_definition", "shape": [1, 2, 2, 256]}, measure)]
 
 
 def timing() -> list[dict]:
     """T tokens, H heads: each kernel's own duration in turns with `row_gradients` over the
-    same stored state (no normalizer), and the probe against its dx / 2 (bf16)."""
+    same stored state (no normalizer): the probe under each schedule, and serial with its
+    parts left out; each schedule against row_gradients' dx / 2 (bf16)."""
     from timing import kernel_times_interleaved
 
     from sympow.attention.mosaic_gpu import state_kernels
+
+    variants = [(schedule, "") for schedule in SCHEDULES] + [
+        ("serial", left) for left in ("mirror", "direct", "direct+mirror")]
 
     def measure():
         n, c, h = _T.value // _CHUNK.value, _CHUNK.value, _HEADS.value
         a, x, w, col, _, upper = problem(jax.random.key(1), 1, h, n, c)
         tier = jax.jit(lambda *args: state_kernels.row_gradients(*args[:3], args[3:]))
-        parts = [jax.jit(lambda *args, left=left: row_gradients_upper(*args[:4], args[4:], left))
-                 for left in ("mirror", "direct", "direct+mirror")]
-        parts.append(_overlapped)
-        calls = [(tier, (a, x, col, *upper)), (_probe, (a, x, w, col, *upper))] + [
-            (part, (a, x, w, col, *upper)) for part in parts]
+        calls = [(tier, (a, x, col, *upper))] + [
+            (_probe(schedule, left), (a, x, w, col, *upper)) for schedule, left in variants]
         us = kernel_times_interleaved(calls, reps=_REPS.value,
                                       prefix="sympow_states_row_gradients")
         useful = 2 * h * _T.value * (64 * 65 // 2) * 64  # profile_states' useful FLOP
-        check = against(_probe(a, x, w, col, *upper),
-                        tier(a, x, col, *upper)[0].astype(F32) / 2.0, tol=1e-2)  # dx = 2 g
-        return {"row_gradients_us": us[0], "probe_us": us[1], "ratio": us[1] / us[0],
-                "without_mirror_us": us[2], "without_direct_us": us[3],
-                "products_only_us": us[4], "overlapped_us": us[5],
-                "overlapped_against_row_gradients": against(
-                    _overlapped(a, x, w, col, *upper),
-                    tier(a, x, col, *upper)[0].astype(F32) / 2.0, tol=1e-2),
-                "useful_tflops": [useful / t / 1e6 for t in us],
-                "against_row_gradients": check}
+        dx_half = tier(a, x, col, *upper)[0].astype(F32) / 2.0  # dx = 2 g in bf16
+        names = [f"{schedule}{' without ' + left if left else ''}" for schedule, left in variants]
+        return {"row_gradients_us": us[0],
+                "probe_us": dict(zip(names, us[1:], strict=True)),
+                "useful_tflops": dict(zip(["row_gradients", *names],
+                                          [useful / t / 1e6 for t in us], strict=True)),
+                "against_row_gradients": {schedule: against(
+                    _probe(schedule)(a, x, w, col, *upper), dx_half, tol=1e-2)
+                    for schedule in SCHEDULES}}
     return [attempt({"probe": "timing", "t": _T.value, "heads": _HEADS.value,
                      "chunk": _CHUNK.value}, measure)]
-
-
-_probe = jax.jit(lambda *args: row_gradients_upper(*args[:4], args[4:]))
-_overlapped = jax.jit(lambda *args: row_gradients_upper(*args[:4], args[4:], overlap=True))
 
 
 def main(argv):
