@@ -180,9 +180,9 @@ state_of_rows.defvjp(_state_of_rows_fwd, _state_of_rows_bwd)
 def rows_of_state(x, ls, s, z):
     """(y [B, Hx, N, C, E] in PARTIALS_DTYPE = phi(u) S, den [B, Hx, N, C] float32 =
     phi(u) . z), u = x e^ls, with S [B, Hk, slots, d^2, E] bf16 and z [B, Hk, slots, d^2]
-    float32 of kv head h // (Hx / Hk), or both in the upper layout (`stored`; the cotangents then too): chunk
-    n reads slot n (slots >= N: the slotted prefix sum's N + 1, the last unread; its
-    cotangent unwritten in S's, zero in z's)."""
+    float32 of kv head h // (Hx / Hk), or both in the upper layout (`stored`; the
+    cotangents then too): chunk n reads slot n (slots >= N: the slotted prefix sum's N + 1,
+    the last unread; its cotangent unwritten in S's, zero in z's)."""
     return _rows_of_state_fwd(x, ls, s, z)[0]
 
 
