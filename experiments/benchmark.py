@@ -85,14 +85,28 @@ def attention_fn(impl: str, chunk: int | None = None):
 
 
 def apply_settings(settings: str) -> None:
-    """'NAME=value;...': module settings of the Hopper state primitives (strings), the
-    variants a measurement compares in one run."""
+    """'NAME=value;...': module settings of the Hopper state primitives, the variants a
+    measurement compares in one run; each value read as its setting's type (bool: true or
+    false, int, or str)."""
     from sympow.attention.mosaic_gpu import states
 
     for name, value in (kv.split("=") for kv in settings.split(";") if kv):
         if not hasattr(states, name):
             raise ValueError(f"--impls: states has no setting {name!r}")
-        setattr(states, name, value)
+        setattr(states, name, setting_value(name, value, getattr(states, name)))
+
+
+def setting_value(name: str, value: str, current):
+    """value (a string from --impls) as the type of the setting's current value."""
+    if isinstance(current, bool):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"--impls: {name} is true or false; got {value!r}")
+        return value.lower() == "true"
+    if isinstance(current, int):
+        if not value.lstrip("-").isdigit():
+            raise ValueError(f"--impls: {name} is an integer; got {value!r}")
+        return int(value)
+    return value
 
 
 def run_case(impl: str, t: int, h: int, chunk: int | None = None) -> dict:

@@ -37,3 +37,28 @@ def test_paired_needs_a_gpu():
     proc = _run(*CASE, "--paired")
     assert proc.returncode != 0
     assert "--paired times each case against cuDNN, which needs a GPU" in proc.stderr
+
+
+def test_a_setting_is_read_as_its_type():
+    """--impls=impl@NAME=value settings: 'False' must not set a truthy string, '3' an int
+    (benchmark.setting_value, imported in a process of its own: the script defines flags)."""
+    script = """
+import sys; sys.path.insert(0, "experiments")
+import json
+from benchmark import setting_value
+def outcome(*args):
+    try:
+        return setting_value(*args)
+    except ValueError as error:
+        return str(error)
+print(json.dumps([outcome("UPPER_BLOCKS", "False", True), outcome("UPPER_BLOCKS", "true", False),
+                  outcome("PREFIX_STAGES", "3", 2), outcome("COLUMNS_DTYPE", "float32", "bf16"),
+                  outcome("UPPER_BLOCKS", "0", True), outcome("PREFIX_STAGES", "x", 2)]))
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        False, True, 3, "float32", "--impls: UPPER_BLOCKS is true or false; got '0'",
+        "--impls: PREFIX_STAGES is an integer; got 'x'"]

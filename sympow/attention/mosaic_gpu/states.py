@@ -269,10 +269,9 @@ def prefix_sum(config: AttentionConfig, s, z, g_last):
     # in the upper state_to_rows (1 in a diagonal block, 2 right of one)
     weights = (tuple(y.reshape(-1) for y in state_references.upper_arrays(
         state_references.upper_weights()[:, None])) if upper else None)
-    # divides each F (int(): a benchmark may set the three as strings)
-    features = math.gcd(int(PREFIX_FEATURE_BLOCK), *(y.shape[-2] for y in flat_s))
+    features = math.gcd(PREFIX_FEATURE_BLOCK, *(y.shape[-2] for y in flat_s))  # divides each F
     plan = dataclasses.replace(prefix_plan(features, config.interpret, slotted),
-                               stages=int(PREFIX_STAGES), warps=int(PREFIX_WARPS))
+                               stages=PREFIX_STAGES, warps=PREFIX_WARPS)
     s_in, z_in, s_fin, z_fin = portable.prefix_sum(plan, flat_s, flat_z, g_last, weights)
     s_in = tuple(y[..., :e].reshape(x.shape) for y, x in zip(s_in, s_groups, strict=True))
     z_in = tuple(y.reshape(x.shape) for y, x in zip(z_in, z_groups, strict=True))

@@ -863,10 +863,9 @@ def test_the_prefix_sums_of_the_upper_layout_are_those_of_the_square_one(rng, sl
 
 
 def test_the_prefix_sum_takes_the_tiers_block_stages_and_warps(monkeypatch, rng):
-    """states.PREFIX_FEATURE_BLOCK, PREFIX_STAGES and PREFIX_WARPS reach the kernels' plan,
-    also as the strings a benchmark's settings are (`benchmark.apply_settings`)."""
-    for name, value in (("PREFIX_FEATURE_BLOCK", "8"), ("PREFIX_STAGES", "3"),
-                        ("PREFIX_WARPS", "2")):
+    """states.PREFIX_FEATURE_BLOCK, PREFIX_STAGES and PREFIX_WARPS reach the kernels' plan."""
+    for name, value in (("PREFIX_FEATURE_BLOCK", 8), ("PREFIX_STAGES", 3),
+                        ("PREFIX_WARPS", 2)):
         monkeypatch.setattr(states, name, value)
     plans, prefix_sum = [], states.portable.prefix_sum
     monkeypatch.setattr(states.portable, "prefix_sum",
