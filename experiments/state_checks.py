@@ -28,7 +28,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     whole blocks (their lower rows from the mirrors: y, g), row_gradients (dx, dls with
     the normalizer), each against its definition on the same stored entries
     (`_stored_upper`), and y rounded to bf16 in the kernel as the tier's da is
-    (`y_bf16_stored_upper`); last the normalizer sums (`gram.weighted_gram`, a Triton kernel)
+    (`y_bf16_stored_upper`); then the tier's calls again with col formed in the kernels
+    from x^T and e^(2 ls) (`state_kernels.Columns`, `_formed`: the same bf16 col, so the
+    same definitions); last the normalizer sums (`gram.weighted_gram`, a Triton kernel)
     against float64, float32-accurate (`check_gram`)."""
     import jax
     import jax.numpy as jnp
@@ -54,8 +56,9 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     tier = {"upper": True, "packed": True, "pipelined": True}
 
     @jax.jit
-    def run(xt, col, a, x, s, z, weights):
+    def run(xt, col, a, x, s, z, weights, w):
         norm = sk.Normalizer(z_parts(z), weights)
+        formed = sk.Columns(xt, w)
         slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
         stored = sr.upper_arrays(slotted)
         return [(ss.rows_to_state(xt, col, a, kv_heads=hk),
@@ -143,7 +146,25 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
                 (sk.state_to_rows(x, col, stored, transposed=False, slot_offset=1,
                                   out_dtype=jnp.bfloat16, **tier),
                  sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
-                                            upper=True))]
+                                            upper=True)),
+                # col formed in the kernels (the tier's calls, rows_to_state also with a
+                # barrier per block)
+                (tuple(u[:, :, 1:] for u in ss.rows_to_state(
+                    xt, formed, a, kv_heads=hk, slots=n + 1, slot_offset=1, upper=True)),
+                 sr.upper_arrays(s)),
+                (ss.rows_to_state(xt, formed, a, kv_heads=hk, upper=True, step_barriers=3),
+                 sr.upper_arrays(s)),
+                *zip(sk.state_to_rows(x, formed, stored, transposed=False, slot_offset=1,
+                                      normalizer=norm, **tier),
+                     sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
+                                                normalizer=norm, upper=True), strict=True),
+                (sk.state_to_rows(x, formed, stored, transposed=False, slot_offset=1,
+                                  out_dtype=jnp.bfloat16, **tier),
+                 sr.state_to_rows_reference(x, col, stored, transposed=False, slot_offset=1,
+                                            upper=True)),
+                *zip(sk.row_gradients(a, x, formed, stored, slot_offset=1, normalizer=norm),
+                     sr.row_gradients_reference(a, x, col, stored, slot_offset=1,
+                                                normalizer=norm), strict=True)]
 
     rows = []
     names = ("S", "y", "g", "dx", "dls", "y_z", "den", "dx_z", "dls_z", "S_slots", "S_chunks",
@@ -153,13 +174,16 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
              "y_square_halves", "dx_halves", "dls_halves", "S_whole_steps", "S_stored_upper",
              "S_stored_upper_whole_steps", "S_stored_upper_square_products", "y_stored_upper",
              "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
-             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper")
+             "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper",
+             "S_formed", "S_formed_barriers", "y_z_formed", "den_formed", "y_bf16_formed",
+             "dx_z_formed", "dls_z_formed")
 
     def flat(value):  # an output or a tuple of them (the upper layout) as one float64 vector
         return np.concatenate([np.ravel(np.asarray(v, np.float64))
                                for v in jax.tree.leaves(value)])
 
-    for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights), strict=True):
+    w = jnp.exp(2.0 * jnp.asarray(ls, jnp.float32))  # col = x^T w, as `columns` forms it
+    for name, (got, want) in zip(names, run(xt, col, a, x, s, z, weights, w), strict=True):
         # a bf16 row must leave the kernel in bf16
         dtype_ok = "bf16" not in name or got.dtype == jnp.bfloat16
         got, want = flat(got), flat(want)

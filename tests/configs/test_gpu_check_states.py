@@ -23,7 +23,8 @@ def without(*names):
         return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k not in names})
     return wrap
 
-ss.rows_to_state = without("chunks_per_program", "stages")(sr.rows_to_state_reference)
+ss.rows_to_state = without("chunks_per_program", "stages", "step_barriers")(
+    sr.rows_to_state_reference)
 sk.state_to_rows = without("chunks_per_program", "stages")(sr.state_to_rows_reference)
 sk.row_gradients = without("chunks_per_program", "stages")(sr.row_gradients_reference)
 gram.weighted_gram = functools.partial(gram.weighted_gram, interpret=True)
@@ -44,6 +45,7 @@ def test_every_row_of_the_state_check_runs_and_passes_on_the_definitions():
              "S_stored_upper_whole_steps", "S_stored_upper_square_products", "y_stored_upper",
              "y_z_stored_upper", "den_stored_upper", "y_square_stored_upper",
              "g_stored_upper", "dx_z_stored_upper", "dls_z_stored_upper", "y_bf16_stored_upper",
-             "gram"]
+             "S_formed", "S_formed_barriers", "y_z_formed", "den_formed", "y_bf16_formed",
+             "dx_z_formed", "dls_z_formed", "gram"]
     for line, scales in zip(done.stdout.splitlines(), ("ordinary", "full"), strict=True):
         assert line == f"{scales} {[(name, True) for name in names]}", line

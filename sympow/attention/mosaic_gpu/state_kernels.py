@@ -137,6 +137,46 @@ class Normalizer(NamedTuple):
     weights: Array
 
 
+class Columns(NamedTuple):
+    """col = x^T e^(2 ls) formed by the kernel where it loads it, from
+
+    xt [B, Hx, N, D, C] bf16: the rows x transposed (which rows_to_state reads anyway);
+    w [B, Hx, N, C] float32: e^(2 ls) per row,
+
+    each entry xt_ir w_r rounded to bf16 in the kernel: the numbers `states.columns`
+    stores (the same float32 product, rounded once), without the [D, C] array XLA would
+    write and keep for the backward (at T = 65,536, H = 8: 64 MiB and ~40 us a pass on an
+    H200). The kernels read xt where they read col, the same bytes, and w beside it."""
+
+    xt: Array
+    w: Array
+
+
+def column_source(col) -> Array:
+    """The [B, Hx, N, D, C] array a kernel copies its col blocks from: col, or a
+    `Columns`' xt."""
+    return col.xt if isinstance(col, Columns) else col
+
+
+def column_weights(col) -> Array | None:
+    """A `Columns`' w (the kernel scales its xt blocks by it), or None for a stored col."""
+    return col.w if isinstance(col, Columns) else None
+
+
+def formed_column(x, w):
+    """A col vector as the tensor cores take it, bf16: a stored col's x, or (w given) x the
+    rows' xt entries times their weights w, in float32, rounded once (`Columns`)."""
+    return x.astype(BF16) if w is None else (x.astype(F32) * w).astype(BF16)
+
+
+def stored_columns(col) -> Array:
+    """col as an array [B, Hx, N, D, C]: itself, or a `Columns`' entries formed as the
+    kernels form them (bf16)."""
+    if not isinstance(col, Columns):
+        return col
+    return formed_column(col.xt, col.w[..., None, :])
+
+
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
                   stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1,
                   upper: bool = False, packed: bool = False, pipelined: bool = False,
@@ -148,11 +188,12 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     den_r = w_r rows_r^T Z rows_r: (out, den).
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
-    [B, Hx, N, D, C] bf16 or float32; s [B, Hk, N, D^2, E] bf16 read by query head h as kv
-    head h // (Hx / Hk), or the same state in the upper layout, a tuple or list of the
-    arrays of `state_walks.upper_shapes((B, Hk, N), D, E)` (its whole blocks read from
-    their held rows and their mirrors; not yet run on a GPU). W' = E, or D when
-    transposed. C a multiple of TILE_ROWS, D = DIM.
+    [B, Hx, N, D, C] bf16 or float32, or `Columns` (formed in the kernel); s
+    [B, Hk, N, D^2, E] bf16 read by query head h as kv head h // (Hx / Hk), or the same
+    state in the upper layout, a tuple or list of the arrays of
+    `state_walks.upper_shapes((B, Hk, N), D, E)` (its whole blocks read from their held
+    rows and their mirrors). W' = E, or D when transposed. C a multiple of TILE_ROWS,
+    D = DIM.
     stages: ring slots (default: as many as fit in shared memory). slot_offset: chunk n
     reads s at slot n + slot_offset (s may hold more slots than N; Z's parts stay by chunk).
     chunks_per_program (dividing N; without a normalizer): consecutive chunks one program
@@ -183,7 +224,8 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
         raise ValueError(f"out_dtype must be float32 or bfloat16; got {jnp.dtype(out_dtype)}")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
-                          segments=upper_segments(col.shape[-2], packed) if upper else None,
+                          segments=upper_segments(column_source(col).shape[-2], packed) if upper
+                          else None,
                           pipelined=pipelined, out_dtype=jnp.dtype(out_dtype))
 
 
@@ -212,7 +254,8 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     a normalizer, the quadratic form of its Z against the rows x (three products with Z's
     parts per block of rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
-    d = col.shape[-2]
+    source, col_weights = column_source(col), column_weights(col)
+    d, formed = source.shape[-2], col_weights is not None
     stored_upper = isinstance(s, (tuple, list))  # the upper layout: one array per group
     arrays = tuple(s) if stored_upper else (s,)
     hk, slots, e = arrays[0].shape[1], arrays[0].shape[2], arrays[0].shape[-1]
@@ -236,11 +279,14 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     rows_per_wg = sub * ROWS
     per_step = BLOCKS_PER_STEP  # blocks S_i a ring slot holds: one wait for all their
     # products (pipelined: one for each half of them)
-    inputs = (rows, col, *arrays, *((x,) if gradient else ()),
-              *((normalizer.parts, normalizer.weights) if quadratic else ()))
-    own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), col.dtype, False)]
+    inputs = (rows, source, *arrays, *((x,) if gradient else ()),
+              *((normalizer.parts, normalizer.weights) if quadratic else ()),
+              *((col_weights,) if formed else ()))
+    # each warpgroup's own blocks: its rows, col (or xt), x, the normalizer's weights, w
+    own_specs = [((rows_per_wg, w), BF16, True), ((d, rows_per_wg), source.dtype, False)]
     own_specs += [((rows_per_wg, d), BF16, True)] if gradient else []
-    own_specs += [((rows_per_wg,), F32, False)] if quadratic else []  # the weights w
+    own_specs += [((rows_per_wg,), F32, False)] if quadratic else []
+    own_specs += [((rows_per_wg,), F32, False)] if formed else []
     out_type = [jax.ShapeDtypeStruct((b, hx, n, c, width), out_dtype)]
     out_scratch = [swizzled((COMPUTE_WGS, rows_per_wg, width), out_dtype)]
     if gradient or quadratic:  # dls, or den: one float32 per row
@@ -276,6 +322,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
         x_ref = refs_after[0] if gradient else None
         parts_ref, weights_ref = (refs_after[gradient:2 + gradient] if quadratic
                                   else (None, None))
+        col_weights_ref = refs[len(inputs) - 1] if formed else None
         out_refs = refs[len(inputs):len(inputs) + len(out_type)]
         own, own_bars, ring_arrays, ring_loaded, ring_freed, *rest = refs[
             len(inputs) + len(out_type):]
@@ -293,14 +340,18 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
         def one_chunk(chunk, k):  # a compute warpgroup's rows of chunk `chunk`, k-th here
             rows_smem, col_smem = own[:2]
             x_smem = own[2] if gradient else rows_smem  # the rows of the quadratic form
+            weights_smem = own[2 + gradient] if quadratic else None
             sources = [rows_ref.at[bi, h, chunk, mine], col_ref.at[bi, h, chunk, :, mine]]
             sources += [x_ref.at[bi, h, chunk, mine]] if gradient else []
             sources += [weights_ref.at[bi, h, chunk, mine]] if quadratic else []
+            sources += [col_weights_ref.at[bi, h, chunk, mine]] if formed else []
             if several:  # the last chunk's reads of the own blocks done before they refill
                 plgpu.commit_smem()
             load_own(list(zip(sources, own, strict=True)), wg, own_bars)
             blocks = [pl.ds(j * ROWS, ROWS) for j in range(sub)]
             bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
+            row_weights = ([plgpu.load(own[-1].at[wg, r], (), layout=ROW_VECTOR)
+                            for r in blocks] if formed else [None] * sub)  # w by row block
 
             def accumulate_all(*acc_refs):
                 def step_blocks(slot, step, seg=None):
@@ -319,9 +370,10 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                     built = []
                     for i, tile_ref, row in entries:
                         block = tile_ref.at[pl.ds(row, d)] if seg is None else None
-                        for acc_ref, base, r in zip(acc_refs, bases, blocks, strict=True):
-                            x = plgpu.load(col_smem.at[wg, i, r], (), layout=ROW_VECTOR)
-                            x = x.astype(BF16)
+                        for acc_ref, base, r, w_r in zip(acc_refs, bases, blocks, row_weights,
+                                                         strict=True):
+                            x = formed_column(plgpu.load(col_smem.at[wg, i, r], (),
+                                                         layout=ROW_VECTOR), w_r)
                             if seg is None:  # the whole block
                                 pieces = [(base, x, block.transpose((1, 0)) if transposed
                                            else block)]
@@ -365,7 +417,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             for r, acc in zip(blocks, accs, strict=True):
                 if quadratic:  # x Z [ROWS, D] and the rows' weights
                     xz = quadratic_product(x_smem.at[wg, r], parts_smem)
-                    weights = plgpu.load(own[-1].at[wg, r], (), layout=ROW_VECTOR)
+                    weights = plgpu.load(weights_smem.at[wg, r], (), layout=ROW_VECTOR)
                 if gradient:  # [ROWS, D]: dx = 2 (acc + w x Z), dls its row sums against x
                     dx = 2.0 * (acc + by_rows(weights, acc.shape) * xz if quadratic else acc)
                     rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)

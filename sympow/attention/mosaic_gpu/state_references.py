@@ -4,7 +4,8 @@ The specification `experiments/gpu_check.py` compares the kernels with on a GPU,
 the CPU tests put in the kernels' place to check the custom_vjps and the chunked algorithm
 around them (`tests/attention/mosaic_gpu/test_states.py`). Same arguments and outputs as
 the kernels (shapes in their docstrings), but every output float32 where the kernel's is
-float32 or rounded as the kernel rounds it (S and dx to bf16).
+float32 or rounded as the kernel rounds it (S and dx to bf16); col stored, or
+`state_kernels.Columns` formed as the kernels form it (`stored_columns`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sympow.attention.mosaic_gpu.state_kernels import (
     F32,
     Normalizer,
     check_slots,
+    stored_columns,
 )
 from sympow.attention.mosaic_gpu.state_walks import BLOCK
 
@@ -29,6 +31,7 @@ def rows_to_state_reference(xt, col, a, *, kv_heads: int, slots: int | None = No
     square_products (the order and the shapes of the kernel's products): taken and unused.
     upper: the state in the upper layout (`upper_arrays`)."""
     del pipelined, square_products
+    col = stored_columns(col)
     b, hx, n, d, c = xt.shape
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)
@@ -60,6 +63,7 @@ def state_to_rows_reference(rows, col, s, *, transposed: bool,
     products in, not its sum: taken and unused here. s: square, or a tuple in the upper
     layout (`upper_arrays`). out (not den) in out_dtype, rounded from float32."""
     del packed, pipelined
+    col = stored_columns(col)
     s = square_of_upper(s) if isinstance(s, (tuple, list)) else s
     b, hx, n, c, _ = rows.shape
     d, hk = col.shape[-2], s.shape[1]

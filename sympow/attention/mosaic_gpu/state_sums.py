@@ -27,6 +27,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     COMPUTE_WGS,
     MEMORY_REGISTERS,
     ROWS,
+    VECTOR,
     WGMMA,
     WGMMA_TRANSPOSED,
     Ring,
@@ -43,6 +44,9 @@ from sympow.attention.mosaic_gpu.state_kernels import (
     check_chunks_per_program,
     check_slots,
     check_stages,
+    column_source,
+    column_weights,
+    formed_column,
 )
 from sympow.attention.mosaic_gpu.state_walks import BLOCK, upper_shapes
 
@@ -95,9 +99,10 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     square_products (or E = 128) each S_i is the square layout's M = 64 product of which
     the rows j >= 16 b are stored (the layout before 2026-11-28).
 
-    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32;
-    a [B, Hx, N, C, E] bf16; Hx = R kv_heads (query head h in group h // R); C a multiple
-    of TILE_ROWS, D = DIM.
+    xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32,
+    or `state_kernels.Columns` (formed in the kernel from its xt, normally xt itself, and
+    w: a ring block of w a step beside the col rows); a [B, Hx, N, C, E] bf16; Hx = R
+    kv_heads (query head h in group h // R); C a multiple of TILE_ROWS, D = DIM.
 
     chunks_per_program (dividing N; None: `default_chunks_per_program`): consecutive chunks
     one program sums, one after the other, its ring running on into the next chunk while the
@@ -108,8 +113,9 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     stages: the ring's slots (2 or more with pipelined; deeper measured the same on an
     H200, 2026-11-27).
 
-    step_barriers: 1, a step's three blocks (xt, col, a) arrive on one barrier, which a
-    compute warpgroup checks once a step (they are used together); 3, a barrier each (the
+    step_barriers: 1, a step's three blocks (xt, col, a; and w) arrive on one barrier,
+    which a compute warpgroup checks once a step (they are used together); 3, a barrier
+    each (w with col; the
     layout before 2026-11-27, kept to measure against: each check is a round trip, and
     the three held ~10 % of the kernel's warp samples, ncu, H200).
 
@@ -121,6 +127,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
+    source, col_weights = column_source(col), column_weights(col)
+    formed = col_weights is not None
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)
     per_wg = features_per_warpgroup(e)
@@ -139,14 +147,16 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     # 2 t + wg of the step's block (one copy of 2 rows per group); otherwise its features
     # are per_wg consecutive i, its col row wg * per_wg + t.
     col_copies = per_wg if by_groups else 1
-    ring_groups = [(0, 1, 2)] if step_barriers == 1 else None
-    arrivals = ([2 + col_copies] if step_barriers == 1 else [1, col_copies, 1]
-                ) if by_groups else None
+    ring_groups = ([(0, 1, 2, 3) if formed else (0, 1, 2)] if step_barriers == 1
+                   else [(0,), (1, 3), (2,)] if formed else None)  # w rides with col
+    arrivals = ([2 + col_copies + formed] if step_barriers == 1
+                else [1, col_copies + formed, 1]) if by_groups else None
 
     def col_row(t, wg):
         return COMPUTE_WGS * t + wg if by_groups else wg * per_wg + t
 
     def kernel(xt_ref, col_ref, a_ref, *refs):
+        w_ref, refs = (refs[0], refs[1:]) if formed else (None, refs)
         outputs = d // BLOCK if upper else 1
         s_refs, (ring_arrays, ring_loaded, ring_freed), outs = (
             refs[:outputs], refs[outputs:outputs + 3], refs[outputs + 3:])
@@ -166,8 +176,10 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                 base diag(col_i), i its t-th feature, base the xt block or, by_groups, the
                 a block transposed) and each feature's B operand, once the blocks in its
                 ring slot have landed."""
-                # [D, ROWS], [per_program, ROWS] (col_i of the block), [ROWS, E]
-                xt_smem, col_rows, a_smem = ring.wait_all(slot)
+                # [D, ROWS], [per_program, ROWS] (col_i of the block, or xt's rows i),
+                # [ROWS, E] (and w [ROWS])
+                xt_smem, col_rows, a_smem, *w_smem = ring.wait_all(slot)
+                w = plgpu.load(w_smem[0], (), layout=COL_VECTOR) if formed else None
                 if by_groups:  # a^T [E, ROWS], read transposed from its [ROWS, E] tile
                     base = plgpu.layout_cast(plgpu.load(
                         a_smem.transpose((1, 0)), (), layout=WGMMA_TRANSPOSED), WGMMA)
@@ -179,7 +191,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                 def operands(features):
                     scales = [plgpu.load(col_rows.at[col_row(t, wg)], (), layout=COL_VECTOR)
                               for t in features]
-                    return [base * by_cols(x.astype(BF16)) for x in scales]
+                    return [base * by_cols(formed_column(x, w)) for x in scales]
                 return operands, rhs
 
             def accumulate_all(k, *acc_refs):  # the ring's steps of the program's chunk k
@@ -249,7 +261,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                              pl.ds(COMPUTE_WGS * t, COMPUTE_WGS)) for t in range(per_wg)]
                 else:
                     cols = col_ref.at[bi, h, chunk, pl.ds(first, per_program), rows]
-                return xt_ref.at[bi, h, chunk, :, rows], cols, a_ref.at[bi, h, chunk, rows]
+                return (xt_ref.at[bi, h, chunk, :, rows], cols, a_ref.at[bi, h, chunk, rows],
+                        *((w_ref.at[bi, h, chunk, rows],) if formed else ()))
 
             ring.fill(chunks_per_program * steps, sources)
 
@@ -264,8 +277,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
         acc_shapes = [(d, e)] * per_wg
         feature_halves = (tuple(range(per_wg // 2)), tuple(range(per_wg // 2, per_wg)))
         out_scratch = [swizzled((COMPUTE_WGS, per_wg, d, e), BF16)]
-    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), col.dtype, False), tile(e)], stages,
-                        ring_groups, arrivals)
+    ring = Ring.scratch([tile(ROWS), ((per_program, ROWS), source.dtype, False), tile(e),
+                         *([VECTOR] if formed else [])], stages, ring_groups, arrivals)
     lead = (b, kv_heads, slots)
     out_type = ([jax.ShapeDtypeStruct(shape, BF16) for shape in upper_shapes(lead, d, e)]
                 if upper else jax.ShapeDtypeStruct((*lead, d * d, e), BF16))
@@ -274,5 +287,6 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
         out_type=out_type,
         scratch=(*ring, *out_scratch),
         grid=(n // chunks_per_program, b * kv_heads, d // per_program),
-        grid_names=("chunk", "bh", "features"), args=(xt, col, a))
+        grid_names=("chunk", "bh", "features"),
+        args=(xt, source, a, *((col_weights,) if formed else ())))
     return tuple(result) if upper else result

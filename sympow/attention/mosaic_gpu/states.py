@@ -67,6 +67,11 @@ P = 2  # the square layout is phi for p = 2
 # col's dtype in device memory: the kernels round it to bf16 where the tensor cores take
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
+# Whether the kernels form col themselves from x^T and e^(2 ls) (`state_kernels.Columns`):
+# the same bf16 numbers without the [D, C] arrays XLA wrote for them, one for the keys in
+# the forward and one for the queries (kept from the forward for the backward); a float32
+# COLUMNS_DTYPE is stored whatever this says.
+FORMED_COLUMNS = True
 # The dtype of the chunked combine's two partial outputs, the intra-chunk attention's o
 # (scaled by e^-m) and the states' y = phi(u) S: each a kernel's float32 sums rounded once
 # where it stores them, then summed in float32 by `chunked.combine`. bfloat16 halves the
@@ -133,6 +138,16 @@ def columns(x, ls):
     return col.astype(COLUMNS_DTYPE)
 
 
+def kernel_columns(x, ls, xt=None):
+    """col as the state kernels take it for rows x [B, H, N, C, d] and ls [B, H, N, C]:
+    `state_kernels.Columns` (xt = x^T, given or made here, and w = e^(2 ls)) with
+    FORMED_COLUMNS and a bf16 COLUMNS_DTYPE, else the stored `columns`."""
+    if not FORMED_COLUMNS or jnp.dtype(COLUMNS_DTYPE) != BF16:
+        return columns(x, ls)
+    return state_kernels.Columns(jnp.swapaxes(x, -1, -2) if xt is None else xt,
+                                 jnp.exp(P * ls))
+
+
 def _kernel_width(e: int) -> int:
     return max(min(blocks.WIDTHS), padded_width(e))
 
@@ -149,8 +164,8 @@ def state_of_rows(x, ls, a, kv_heads: int, upper: bool):
 
 
 def _state_of_rows_fwd(x, ls, a, kv_heads, upper):
-    n = x.shape[2]
-    s = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), columns(x, ls), a,
+    n, xt = x.shape[2], jnp.swapaxes(x, -1, -2)
+    s = state_sums.rows_to_state(xt, kernel_columns(x, ls, xt), a,
                                  kv_heads=kv_heads, slots=n + 1, slot_offset=1, upper=upper)
     z = jnp.pad(_weighted_gram(x, jnp.exp(P * ls), kv_heads), ((0, 0), (0, 0), (1, 0), (0, 0)))
     return (s, stored(z, upper, values=False)), (x, ls, a)
@@ -160,7 +175,7 @@ def _state_of_rows_bwd(kv_heads, upper, res, cotangents):
     x, ls, a = res
     ds, dz = cotangents
     ds = _each(lambda y: y.astype(BF16), ds)
-    col = columns(x, ls)
+    col = kernel_columns(x, ls)
     # da in a's dtype from the kernel: a float32 da (128 MiB at T = 65,536, H = 8) waited
     # for the attention backward's dv, alive at the call's peak
     da = state_kernels.state_to_rows(x, col, ds, transposed=False, slot_offset=1,
@@ -189,7 +204,8 @@ def rows_of_state(x, ls, s, z):
 def _rows_of_state_fwd(x, ls, s, z):
     parts = z_parts(square(z, values=False) if _is_upper(s) else z)
     out = state_kernels.state_to_rows(
-        x, columns(x, ls), s, transposed=False, **_upper_options(), out_dtype=PARTIALS_DTYPE,
+        x, kernel_columns(x, ls), s, transposed=False, **_upper_options(),
+        out_dtype=PARTIALS_DTYPE,
         normalizer=state_kernels.Normalizer(parts, jnp.exp(P * ls)))
     return out, (x, ls, s, parts)
 
@@ -199,8 +215,9 @@ def _rows_of_state_bwd(res, cotangents):
     dy, dden = cotangents
     dy = dy.astype(BF16)
     upper, (_, kv_heads, slots) = _is_upper(s), first_array(s).shape[:3]
-    col = columns(x, ls)
-    ds = state_sums.rows_to_state(jnp.swapaxes(x, -1, -2), col, dy, kv_heads=kv_heads,
+    xt = jnp.swapaxes(x, -1, -2)
+    col = kernel_columns(x, ls, xt)
+    ds = state_sums.rows_to_state(xt, col, dy, kv_heads=kv_heads,
                                   slots=slots, upper=upper)
     weights = dden * jnp.exp(P * ls)  # d(phi(u) . z)/dz = phi(u): z's cotangent a gram sum
     dx, dls = state_kernels.row_gradients(

@@ -243,6 +243,63 @@ def test_rows_to_state_checks_one_barrier_a_step_unless_asked(monkeypatch):
         state_sums.rows_to_state(*zeros, kv_heads=2, step_barriers=2)
 
 
+def test_the_kernels_form_col_from_xt_and_w_where_given_columns(monkeypatch):
+    """With `Columns` each kernel takes x^T and w = e^(2 ls) (one Mosaic GPU kernel, no
+    product of XLA's forming col); rows_to_state's ring carries w on the step's one barrier
+    (with step_barriers=3, on col's). As the tier runs them: over the stored upper rows,
+    the upper blocks packed, whole blocks with the normalizer."""
+    groups = []
+    real_scratch = state_kernels.Ring.scratch
+    monkeypatch.setattr(state_kernels.Ring, "scratch", staticmethod(
+        lambda specs, stages, ring_groups=None, arrivals=None: groups.append(
+            (ring_groups, arrivals)) or real_scratch(specs, stages, ring_groups, arrivals)))
+    b, hq, hk, n, c, e = 1, 4, 2, 2, 256, 64
+    xt, w = ((b, hq, n, D, c), BF16), ((b, hq, n, c), F32)
+    w_type = f"tensor<{b}x{hq}x{n}x{c}xf32>"
+    for upper, step_barriers, expected in ((True, 1, ([(0, 1, 2, 3)], [2 + 4 + 1])),
+                                           (True, 3, ([(0,), (1, 3), (2,)], [1, 4 + 1, 1])),
+                                           (False, 1, ([(0, 1, 2, 3)], None))):
+        text = lowered(lambda xt, w, a, u=upper, k=step_barriers: state_sums.rows_to_state(
+            xt, state_kernels.Columns(xt, w), a, kv_heads=hk, upper=u, step_barriers=k),
+            xt, w, ((b, hq, n, c, e), BF16))
+        assert text.count("@mosaic_gpu") == 1 and w_type in text
+        assert "stablehlo.multiply" not in text
+        assert groups[-1] == expected
+    upper = [(shape, BF16) for shape in state_walks.upper_shapes((b, hk, n + 1), D, e)]
+    x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
+    z = [((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32)]
+    runs = [(lambda x, xt, w, *s: state_kernels.state_to_rows(
+                x, state_kernels.Columns(xt, w), s, transposed=False, slot_offset=1,
+                upper=True, packed=True, pipelined=True), [x, xt, w, *upper]),
+            (lambda a, x, xt, w, *rest: state_kernels.row_gradients(
+                a, x, state_kernels.Columns(xt, w), rest[:4], slot_offset=1,
+                normalizer=state_kernels.Normalizer(*rest[4:])), [a, x, xt, w, *upper, *z])]
+    for fn, shapes in runs:
+        text = lowered(fn, *shapes)
+        assert text.count("@mosaic_gpu") == 1 and w_type in text
+        assert "stablehlo.multiply" not in text
+
+
+def test_the_formed_columns_are_the_stored_ones_bit_for_bit(rng, monkeypatch):
+    """col formed from x^T and e^(2 ls) as the kernels form it equals `states.columns`
+    exactly; the tier passes `Columns` where col is bf16 (FORMED_COLUMNS), a stored col
+    where it is float32 or FORMED_COLUMNS is off."""
+    x = jnp.asarray(rng.normal(size=(1, 2, 3, 8, D)), BF16)
+    ls = jnp.asarray(rng.uniform(-3.0, 0.0, size=(1, 2, 3, 8)), F32)
+    formed = states.kernel_columns(x, ls)
+    assert isinstance(formed, state_kernels.Columns)
+    np.testing.assert_array_equal(np.asarray(formed.xt), np.asarray(jnp.swapaxes(x, -1, -2)))
+    got = state_kernels.stored_columns(formed)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(states.columns(x, ls), np.float32))
+    monkeypatch.setattr(states, "FORMED_COLUMNS", False)
+    assert states.kernel_columns(x, ls).dtype == BF16
+    monkeypatch.setattr(states, "FORMED_COLUMNS", True)
+    monkeypatch.setattr(states, "COLUMNS_DTYPE", "float32")
+    assert states.kernel_columns(x, ls).dtype == F32
+
+
 def test_the_kernels_issue_their_steps_in_halves_where_asked(monkeypatch):
     """rows_to_state walks its steps in halves by default (pipelined=False: whole steps);
     state_to_rows and row_gradients when asked (pipelined=True), over the square blocks or
