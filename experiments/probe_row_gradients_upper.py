@@ -23,8 +23,9 @@ without the normalizer's quadratic form and dls (g in float32), checks it agains
 definition, and times it against `state_kernels.row_gradients` (no normalizer) over the
 same stored state, by kernel time in turns, under three schedules of the CUDA-core work
 against the products (`SCHEDULES`) and with its parts left out. Measured (H200,
-2026-11-28, docs/kernels.md): serial 585 us against row_gradients' 388, its products
-alone 306; "in_step" and "lagged" were written after, not yet run on a GPU.
+2026-11-28, docs/kernels.md): serial 572-585 us against row_gradients' 388, its products
+alone 306; "in_step" 573 (no overlap), "lagged" 691 (ptxas serializes its wgmmas, C7515:
+the accumulators zeroed between a product's issue and its wait).
 
   PYTHONPATH=. python3 experiments/probe_row_gradients_upper.py --out=$OUT
 

@@ -68,10 +68,13 @@ P = 2  # the square layout is phi for p = 2
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
 # Whether the kernels form col themselves from x^T and e^(2 ls) (`state_kernels.Columns`):
-# the same bf16 numbers without the [D, C] arrays XLA wrote for them, one for the keys in
+# the same bf16 numbers without the [D, C] arrays XLA writes for them, one for the keys in
 # the forward and one for the queries (kept from the forward for the backward); a float32
-# COLUMNS_DTYPE is stored whatever this says.
-FORMED_COLUMNS = True
+# COLUMNS_DTYPE is stored whatever this says. Off: on an H200 (T = 65,536, H = 8,
+# 2026-11-28) it took XLA's work down 66 us and the peak 1.17 -> 1.11 GiB, but the
+# kernels' work up 345 us (rows_to_state 779 -> 1,066 us for its two launches: a step's
+# four col vectors formed in float32 triple its CUDA-core operand build), 4.55 -> 4.82 ms.
+FORMED_COLUMNS = False
 # The dtype of the chunked combine's two partial outputs, the intra-chunk attention's o
 # (scaled by e^-m) and the states' y = phi(u) S: each a kernel's float32 sums rounded once
 # where it stores them, then summed in float32 by `chunked.combine`. bfloat16 halves the

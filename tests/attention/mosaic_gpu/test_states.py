@@ -286,6 +286,7 @@ def test_the_formed_columns_are_the_stored_ones_bit_for_bit(rng, monkeypatch):
     where it is float32 or FORMED_COLUMNS is off."""
     x = jnp.asarray(rng.normal(size=(1, 2, 3, 8, D)), BF16)
     ls = jnp.asarray(rng.uniform(-3.0, 0.0, size=(1, 2, 3, 8)), F32)
+    monkeypatch.setattr(states, "FORMED_COLUMNS", True)
     formed = states.kernel_columns(x, ls)
     assert isinstance(formed, state_kernels.Columns)
     np.testing.assert_array_equal(np.asarray(formed.xt), np.asarray(jnp.swapaxes(x, -1, -2)))
@@ -295,7 +296,7 @@ def test_the_formed_columns_are_the_stored_ones_bit_for_bit(rng, monkeypatch):
                                   np.asarray(states.columns(x, ls), np.float32))
     monkeypatch.setattr(states, "FORMED_COLUMNS", False)
     assert states.kernel_columns(x, ls).dtype == BF16
-    monkeypatch.setattr(states, "FORMED_COLUMNS", True)
+    monkeypatch.setattr(states, "FORMED_COLUMNS", True)  # float32 col: stored
     monkeypatch.setattr(states, "COLUMNS_DTYPE", "float32")
     assert states.kernel_columns(x, ls).dtype == F32
 
@@ -733,10 +734,12 @@ def test_the_quadratic_form_is_phi_against_z_and_its_gradient(rng, monkeypatch):
 
 
 @pytest.mark.usefixtures("definitions")
-@pytest.mark.parametrize("upper", [False, True])
-def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng, upper):
+@pytest.mark.parametrize(("upper", "formed"), [(False, False), (True, False), (True, True)])
+def test_the_custom_vjps_are_the_derivatives_of_the_definitions(rng, monkeypatch, upper, formed):
     """Square or in the upper layout (`upper`: states and their cotangents alike, a stored
-    entry's cotangent that of the symmetric square's entry)."""
+    entry's cotangent that of the symmetric square's entry); col stored or formed in the
+    kernels (`formed`: states.FORMED_COLUMNS)."""
+    monkeypatch.setattr(states, "FORMED_COLUMNS", formed)
     b, hq, hk, n, c, e = 1, 4, 2, 2, 64, 16  # c: a multiple of gram.ROWS_PER_STEP
     x = jnp.asarray(rng.normal(size=(b, hq, n, c, D)), BF16)
     ls = jnp.asarray(rng.uniform(-1.0, 0.0, size=(b, hq, n, c)), F32)
