@@ -36,8 +36,7 @@ _HEADS = flags.DEFINE_list("heads", ["8", "12"], "head counts")
 _IMPLS = flags.DEFINE_list("impls", None, "backends of sympow.attention.IMPLS, each optionally "
                            "with ':algorithm' (e.g. pallas:attention) and '@NAME=value;...' "
                            "settings of the Hopper state primitives (sympow.attention."
-                           "mosaic_gpu.states, e.g. @COLUMNS_DTYPE=float32) or of the "
-                           "chunked driver (sympow.attention.chunked), and "
+                           "mosaic_gpu.states, e.g. @COLUMNS_DTYPE=float32), and "
                            "'cudnn' (default: the kernel rows of the table, cudnn, xla)")
 _P = flags.DEFINE_integer("p", 2, "the power of the sympow cases")
 _REPS = flags.DEFINE_integer("reps", 20, "timed runs per measurement (median)")
@@ -86,17 +85,15 @@ def attention_fn(impl: str, chunk: int | None = None):
 
 
 def apply_settings(settings: str) -> None:
-    """'NAME=value;...': module settings of the Hopper state primitives (or, for a name
-    they lack, of the chunked driver), the variants a measurement compares in one run; each
-    value read as its setting's type (bool: true or false, int, or str)."""
-    from sympow.attention import chunked
+    """'NAME=value;...': module settings of the Hopper state primitives, the variants a
+    measurement compares in one run; each value read as its setting's type (bool: true or
+    false, int, or str)."""
     from sympow.attention.mosaic_gpu import states
 
     for name, value in (kv.split("=") for kv in settings.split(";") if kv):
-        module = next((m for m in (states, chunked) if hasattr(m, name)), None)
-        if module is None:
-            raise ValueError(f"--impls: neither states nor chunked has a setting {name!r}")
-        setattr(module, name, setting_value(name, value, getattr(module, name)))
+        if not hasattr(states, name):
+            raise ValueError(f"--impls: states has no setting {name!r}")
+        setattr(states, name, setting_value(name, value, getattr(states, name)))
 
 
 def setting_value(name: str, value: str, current):

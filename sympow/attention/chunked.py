@@ -163,22 +163,6 @@ def to_chunks(x: Array, num_chunks: int, chunk: int) -> Array:
     return jnp.moveaxis(x, 3, 1)
 
 
-# Whether the log gates in chunk layout pass an optimization barrier (`gates_to_chunks`).
-GATE_COTANGENT_APART = True
-
-
-def gates_to_chunks(log_g: Float[Array, "B T H"], num_chunks: int,
-                    chunk: int) -> Float[Array, "B H N C"]:
-    """`to_chunks` of the log gates, behind an optimization barrier (GATE_COTANGENT_APART),
-    whose transpose stands between their cotangent [B, H, N, C] (the sum of every
-    primitive's, through the cumulative and suffix sums) and its one transpose to
-    [B, T, H]: XLA then sums in chunk layout and transposes 4 bytes a token and head,
-    where fused into the transpose its [B, T, H] rows of H floats were written at ~0.7 TB/s
-    (45 us at T = 65,536, H = 8 on an H200)."""
-    a = to_chunks(log_g, num_chunks, chunk)
-    return jax.lax.optimization_barrier(a) if GATE_COTANGENT_APART else a
-
-
 def from_chunks(y: Float[Array, "B H N C E"], length: int) -> Float[Array, "B T H E"]:
     """[B, H, N, C, E] -> [B, T, H, E], dropping the padding."""
     b, h, n, c, e = y.shape
@@ -230,7 +214,7 @@ def chunked_attention(
     q, k, k_scale = normalize_queries_and_keys(q, k)
     log_g = gates_or_zeros(log_g, k, ct)
     qc, kc, vc = (to_chunks(x, n, chunk_size) for x in (q, k, v))
-    a = gates_to_chunks(log_g, n, chunk_size)  # [B, Hk, N, C]
+    a = to_chunks(log_g, n, chunk_size)  # [B, Hk, N, C]
     g = jnp.cumsum(a, axis=-1)  # inclusive, within the chunk
 
     s, z = primitives.update_state(kc, vc, suffix_sums(a), p=p)

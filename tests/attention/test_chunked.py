@@ -4,7 +4,6 @@ attention form: outputs, gradients, and the state prefill hands to decode_step."
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 
 import sympow
-from sympow.attention import chunked as chunked_module
 from sympow.attention import reference, xla
 from sympow.attention.chunked import chunked_attention, gates_or_zeros
 from sympow.attention.testing import attention_inputs, max_err, rel_err
@@ -104,24 +102,3 @@ def test_gates_or_zeros_casts_given_gates_and_fills_zeros():
     zeros = gates_or_zeros(None, k, jnp.float32)
     assert zeros.shape == (2, 5, 3) and zeros.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(zeros), 0.0)
-
-
-def test_the_gates_cotangent_passes_a_barrier_before_its_transpose(rng, monkeypatch):
-    """GATE_COTANGENT_APART: the log gates' cotangent is summed in chunk layout [B, H, N, C]
-    behind an optimization barrier, then transposed to [B, T, H]; the gradients are those
-    without it."""
-    q, k, v, log_g = attention_inputs(rng, b=1, t=100, hq=2, hk=2, d=8, e=8)
-
-    def gate_grad(apart: bool):
-        monkeypatch.setattr(chunked_module, "GATE_COTANGENT_APART", apart)
-        loss = lambda log_g: jnp.sum(chunked_attention(  # noqa: E731
-            q, k, v, log_g, p=2, chunk_size=32, primitives=xla.PRIMITIVES)[0] ** 2)
-        hlo = jax.jit(jax.grad(loss)).lower(log_g).as_text()
-        return jax.grad(loss)(log_g), hlo
-
-    (apart, hlo_apart), (fused, hlo_fused) = gate_grad(True), gate_grad(False)
-    assert apart.shape == log_g.shape and rel_err(apart, fused) < 1e-6
-    # barriers of one [B, H, N, C] operand: the gates and their cotangent
-    alone = re.compile(r"optimization_barrier %[\w#]+ : tensor<1x2x4x32xf32>$", re.M)
-    assert len(alone.findall(hlo_apart)) == 2 and not alone.findall(hlo_fused)
-

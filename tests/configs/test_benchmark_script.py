@@ -62,29 +62,3 @@ print(json.dumps([outcome("UPPER_BLOCKS", "False", True), outcome("UPPER_BLOCKS"
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         False, True, 3, "float32", "--impls: UPPER_BLOCKS is true or false; got '0'",
         "--impls: PREFIX_STAGES is an integer; got 'x'"]
-
-
-def test_a_setting_names_a_module_setting_of_the_states_or_the_chunked_driver():
-    """@NAME=value sets the Hopper states' setting of that name, else the chunked driver's;
-    a name neither has is refused by name."""
-    script = """
-import sys; sys.path.insert(0, "experiments")
-import json
-from benchmark import apply_settings
-from sympow.attention import chunked
-from sympow.attention.mosaic_gpu import states
-apply_settings("GATE_COTANGENT_APART=false;PREFIX_STAGES=3")
-try:
-    apply_settings("NO_SUCH=1")
-    refused = ""
-except ValueError as error:
-    refused = str(error)
-print(json.dumps([chunked.GATE_COTANGENT_APART, states.PREFIX_STAGES, refused]))
-"""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
-        False, 3, "--impls: neither states nor chunked has a setting 'NO_SUCH'"]
-
