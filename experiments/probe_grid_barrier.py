@@ -136,7 +136,14 @@ def one_row_product(k: int, n: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from sympow.attention.mosaic_gpu.blocks import COL_VECTOR, ROWS, by_cols, swizzled, zeros
+    from sympow.attention.mosaic_gpu.blocks import (
+        COL_VECTOR,
+        ROWS,
+        by_cols,
+        load,
+        swizzled,
+        zeros,
+    )
 
     if k % ROWS or n % ROWS or k > 1536:
         raise ValueError(f"K and N must be multiples of {ROWS}, K <= 1536; got K = {k}, "
@@ -154,7 +161,7 @@ def one_row_product(k: int, n: int):
         acc = zeros((ROWS, ROWS))
         for c in range(blocks):
             plgpu.barrier_wait(loaded.at[c])
-            x = plgpu.load(x_smem.at[c], (), layout=COL_VECTOR)
+            x = load(x_smem.at[c], COL_VECTOR)
             acc = acc + w_smem.at[c][...].astype(jnp.float32) * by_cols(x)
         y_smem[...] = acc.sum(axis=1)
         plgpu.commit_smem()

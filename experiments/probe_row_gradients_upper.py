@@ -57,6 +57,7 @@ from sympow.attention.mosaic_gpu.blocks import (  # noqa: E402
     Ring,
     by_rows,
     launch,
+    load,
     load_own,
     own_scratch,
     swizzled,
@@ -117,8 +118,8 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = "", schedule: str = "s
                       (w_ref.at[bi, hi, chunk, mine], w_smem),
                       (col_ref.at[bi, hi, chunk, :, mine], col_smem)], wg, own_bars)
             # col^T [ROWS, D]: the mirror's weights col[j] by row, rounded as col is
-            weights = plgpu.load(w_smem.at[wg], (), layout=ROW_VECTOR)
-            col_t = (plgpu.load(x_smem.at[wg], (), layout=WGMMA).astype(F32)
+            weights = load(w_smem.at[wg], ROW_VECTOR)
+            col_t = (load(x_smem.at[wg], WGMMA).astype(F32)
                      * by_rows(weights, (ROWS, d))).astype(BF16).astype(F32)
             column = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK), 1, layout=WGMMA)
 
@@ -126,7 +127,7 @@ def row_gradients_upper(a, x, w, col, s, leave_out: str = "", schedule: str = "s
                 lo, group = seg.lo, seg.lo // BLOCK
                 gs = list(gs)
                 k = seg.place(step, u, d)[0]
-                col_k = plgpu.load(col_smem.at[wg, k], (), layout=ROW_VECTOR)
+                col_k = load(col_smem.at[wg, k], ROW_VECTOR)
                 col_k = by_rows(col_k.astype(F32), (ROWS, BLOCK))
                 for target in range(group, groups) if "direct" not in leave_out else ():
                     start = BLOCK * (target - group)  # direct: columns j >= lo

@@ -87,14 +87,21 @@ def packed_product(split: int):
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from sympow.attention.mosaic_gpu.blocks import COL_VECTOR, WGMMA, by_cols, indices, swizzled
+    from sympow.attention.mosaic_gpu.blocks import (
+        COL_VECTOR,
+        WGMMA,
+        by_cols,
+        indices,
+        load,
+        swizzled,
+    )
 
     bf16 = jnp.bfloat16
 
     def body(xt_ref, col_ref, a_ref, out_ref, xt_smem, col_smem, a_smem, out_smem, bars):
         _copy_in(((xt_ref, xt_smem), (col_ref, col_smem), (a_ref, a_smem)), bars)
-        xt = plgpu.load(xt_smem, (), layout=WGMMA)
-        first, rest = (plgpu.load(col_smem.at[t], (), layout=COL_VECTOR).astype(bf16)
+        xt = load(xt_smem, WGMMA)
+        first, rest = (load(col_smem.at[t], COL_VECTOR).astype(bf16)
                        for t in range(2))
         rows, _ = indices()
         operand = xt * jnp.where(rows < split, by_cols(first), by_cols(rest))
@@ -113,14 +120,14 @@ def sliced_product(start: int, swizzle: int = 32):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from sympow.attention.mosaic_gpu.blocks import ROW_VECTOR, WGMMA, by_rows, swizzled
+    from sympow.attention.mosaic_gpu.blocks import ROW_VECTOR, WGMMA, by_rows, load, swizzled
 
     bf16, k = jnp.bfloat16, ROWS - start
 
     def body(x_ref, col_ref, s_ref, out_ref, x_smem, col_smem, s_smem, out_smem, bars):
         _copy_in(((x_ref, x_smem), (col_ref, col_smem), (s_ref, s_smem)), bars)
-        col = plgpu.load(col_smem, (), layout=ROW_VECTOR).astype(bf16)
-        x = plgpu.load(x_smem, (), layout=WGMMA)[:, start:]
+        col = load(col_smem, ROW_VECTOR).astype(bf16)
+        x = load(x_smem, WGMMA)[:, start:]
         _product_to(out_ref, out_smem, x * by_rows(col, (ROWS, k)),
                     s_smem.at[pl.ds(start, k)])
 
@@ -142,14 +149,14 @@ def rate_kernel(layout: str, swizzle: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from sympow.attention.mosaic_gpu.blocks import ROW_VECTOR, WGMMA, by_rows, swizzled
+    from sympow.attention.mosaic_gpu.blocks import ROW_VECTOR, WGMMA, by_rows, load, swizzled
 
     bf16, starts = jnp.bfloat16, LAYOUTS[layout]
     tile = swizzled((ROWS, ROWS), bf16, swizzle)
 
     def body(x_ref, col_ref, s_ref, out_ref, x_smem, col_smem, s_smem, out_smem, bars):
         _copy_in(((x_ref, x_smem), (col_ref, col_smem), (s_ref, s_smem)), bars)
-        x = plgpu.load(x_smem, (), layout=WGMMA)
+        x = load(x_smem, WGMMA)
 
         def passes(acc_ref):
             @pl.loop(0, _STEPS.value)
@@ -159,8 +166,8 @@ def rate_kernel(layout: str, swizzle: int):
                     @pl.loop(0, BLOCK // 2)
                     def _pair(pair, group=group, start=start):
                         i = group * BLOCK + 2 * pair
-                        operands = [x[:, start:] * by_rows(plgpu.load(
-                            col_smem.at[i + t], (), layout=ROW_VECTOR).astype(bf16),
+                        operands = [x[:, start:] * by_rows(load(
+                            col_smem.at[i + t], ROW_VECTOR).astype(bf16),
                             (ROWS, ROWS - start)) for t in range(2)]
                         for operand in operands:
                             plgpu.wgmma(acc_ref, operand, s_smem.at[pl.ds(start,

@@ -62,6 +62,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     in_tokens,
     indices,
     launch,
+    load,
     load_own,
     own_scratch,
     program_position,
@@ -137,7 +138,7 @@ class _KeyWalk:
         """(k, v, tail in shared memory, exp2(tail log2(e)) [ROWS] column vector) of a
         step's key block, once all have landed (one barrier group)."""
         k_smem, v_smem, tail_smem, tail_factor_smem = self.ring.wait(slot)
-        return k_smem, v_smem, tail_smem, plgpu.load(tail_factor_smem, (), layout=COL_VECTOR)
+        return k_smem, v_smem, tail_smem, load(tail_factor_smem, COL_VECTOR)
 
     def decays(self, a_smem, hd_smem, ones_smem):
         """(decay, head): decay(tail_smem, mid, on_diagonal) -> D log2(e) [ROWS, ROWS] of a
@@ -146,13 +147,13 @@ class _KeyWalk:
         warpgroup's diagonal, if any."""
         write_mask(ones_smem, lambda k, j: k > j)
         diagonal = decay_product(a_smem, lambda i, k: k <= i, ones_smem) * LOG2E
-        head = plgpu.load(hd_smem, (), layout=ROW_VECTOR) * LOG2E
+        head = load(hd_smem, ROW_VECTOR) * LOG2E
         pl.when(self.first > 0)(lambda: self.ring.skip(0))
 
         def decay(tail_smem, mid, on_diagonal: bool):
             if on_diagonal:
                 return diagonal
-            tail = plgpu.load(tail_smem, (), layout=COL_VECTOR)
+            tail = load(tail_smem, COL_VECTOR)
             return by_rows(head) + by_cols((tail + mid) * LOG2E)
 
         return decay, head

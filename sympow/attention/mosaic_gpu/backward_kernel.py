@@ -71,6 +71,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     in_tokens,
     indices,
     launch,
+    load,
     load_own,
     own_scratch,
     program_position,
@@ -119,7 +120,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
         write_mask(ones_smem.at[wg], lambda k, i: k <= i)
         # [j, i] = sum_{j < k <= i} a_k: the diagonal's decays with keys as rows
         diagonal = decay_product(a_smem.at[wg], lambda j, k: k > j, ones_smem.at[wg]) * LOG2E
-        tail = plgpu.load(tl_smem.at[wg], (), layout=ROW_VECTOR) * LOG2E
+        tail = load(tl_smem.at[wg], ROW_VECTOR) * LOG2E
         tail_factor = by_rows(jnp.exp2(tail))  # the keys' decay factors, <= 1
         rows, cols = indices()
         d = k_ref.shape[-1]
@@ -169,19 +170,19 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             (q_smem,) = ring.wait(slot, 0)
             s = scores(k_own, q_smem)  # [keys j, queries i]
             (head_smem,) = ring.wait(slot, 4)  # waited on every step: the barrier phases
-            m2 = plgpu.load(ring.wait(slot, 2)[0], (), layout=COL_VECTOR) * LOG2E
-            c = plgpu.load(ring.wait(slot, 5)[0], (), layout=COL_VECTOR)
+            m2 = load(ring.wait(slot, 2)[0], COL_VECTOR) * LOG2E
+            c = load(ring.wait(slot, 5)[0], COL_VECTOR)
             shift = m2 + p * c
             if on_diagonal:
                 exponent = jnp.where(cols >= rows, diagonal - by_cols(shift), -jnp.inf)
                 factors = (capped_exp2(exponent),)
             else:  # D_ji - shift_i = tail_j + (head_i + mid - shift_i): a factor of each
-                head = plgpu.load(head_smem, (), layout=COL_VECTOR)
+                head = load(head_smem, COL_VECTOR)
                 factors = (tail_factor, by_cols(capped_exp2((head + mid) * LOG2E - shift)))
             scale = jnp.exp2(c)
             w, dsdw = power_terms(s, factors, by_cols(scale), by_cols(p * scale), p)
             (do_smem,) = ring.wait(slot, 1)
-            dden = plgpu.load(ring.wait(slot, 3)[0], (), layout=COL_VECTOR)
+            dden = load(ring.wait(slot, 3)[0], COL_VECTOR)
             dw = scores(v_smem.at[wg], do_smem) + by_cols(dden)
             dl = w * dw
             ds = (dsdw * dw).astype(BF16)
@@ -191,10 +192,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             dv, dk, parts = products(dv, dk, w.astype(BF16), ds, q_smem, do_smem)
             if not (on_diagonal or diagonal_apart):  # q_i . (ds^T K)_i from q's tile: this
                 # pair's share of dhead
-                q_dq = sum(jnp.sum(plgpu.load(
-                    q_smem if d == ROWS else q_smem.at[:, pl.ds(index * ROWS, ROWS)], (),
-                    layout=WGMMA).astype(F32) * part, axis=1)
-                    for index, part in enumerate(parts))
+                q_dq = sum(jnp.sum(load(
+                    q_smem if d == ROWS else q_smem.at[:, pl.ds(index * ROWS, ROWS)],
+                    WGMMA).astype(F32) * part, axis=1) for index, part in enumerate(parts))
             ring.release(slot)
 
             def reduce_partials():  # into dQ (in chunk layout the diagonal's too)
@@ -233,7 +233,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, m_ref,
             # sums of ROWS steps summed at once in the columns' layout took 1.1 ms of
             # 13.7 at T = 16k, a barrier of their own a step 1.3 ms.) The next step
             # writes rows_smem after its first barrier, when every warp has read it.
-            pair_smem[slot_of_pair] = plgpu.load(rows_smem, (), layout=COL_VECTOR).sum()
+            pair_smem[slot_of_pair] = load(rows_smem, COL_VECTOR).sum()
 
             @pl.when(jnp.logical_or(slot_of_pair == ROWS - 1, step == steps - 1))
             def _flush():  # the slots not written since the last flush: pairs J >= I

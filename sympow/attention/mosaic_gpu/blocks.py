@@ -10,6 +10,8 @@ refills a slot once both compute warpgroups have released it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -30,6 +32,22 @@ WGMMA_TRANSPOSED = plgpu.Layout.WGMMA_TRANSPOSED  # a [M, N] tile read or stored
 ROW_VECTOR = WGMMA.reduce(1)  # one value per row of a [ROWS, ROWS] wgmma result
 COL_VECTOR = WGMMA.reduce(0)  # one value per column
 SQUARE = (ROWS, ROWS)
+
+
+def load(ref, layout):
+    """The whole of `ref` (shared memory) in registers in `layout`: `plgpu.load` without an
+    index where the installed jax takes none (0.11 deprecates passing one), with the empty
+    index where it requires one (0.10)."""
+    if _takes_index(plgpu.load):
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def _takes_index(load_fn) -> bool:
+    """Whether load_fn (`plgpu.load`) requires an index argument."""
+    index = inspect.signature(load_fn).parameters.get("idx")
+    return index is not None and index.default is inspect.Parameter.empty
 
 
 def swizzled(shape, dtype, max_swizzle: int = 128) -> plgpu.SMEM:
@@ -142,7 +160,7 @@ def decay_product(a_smem, a_mask: Callable, ones_smem):
     B are exact, so each sum carries float32 accuracy relative to itself (a difference of
     in-block prefix sums would carry the ulp of the larger prefix into every decay)."""
     rows, cols = indices()
-    a = plgpu.load(a_smem, (), layout=COL_VECTOR)
+    a = load(a_smem, COL_VECTOR)
     parts = bf16_parts(jnp.where(a_mask(rows, cols), by_cols(a), 0.0))
 
     def product(acc_ref):

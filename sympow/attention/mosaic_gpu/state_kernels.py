@@ -73,6 +73,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     Ring,
     by_rows,
     launch,
+    load,
     load_own,
     own_scratch,
     products,
@@ -349,8 +350,8 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                 plgpu.commit_smem()
             load_own(list(zip(sources, own, strict=True)), wg, own_bars)
             blocks = [pl.ds(j * ROWS, ROWS) for j in range(sub)]
-            bases = [plgpu.load(rows_smem.at[wg, r], (), layout=WGMMA) for r in blocks]
-            row_weights = ([plgpu.load(own[-1].at[wg, r], (), layout=ROW_VECTOR)
+            bases = [load(rows_smem.at[wg, r], WGMMA) for r in blocks]
+            row_weights = ([load(own[-1].at[wg, r], ROW_VECTOR)
                             for r in blocks] if formed else [None] * sub)  # w by row block
 
             def accumulate_all(*acc_refs):
@@ -372,8 +373,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
                         block = tile_ref.at[pl.ds(row, d)] if seg is None else None
                         for acc_ref, base, r, w_r in zip(acc_refs, bases, blocks, row_weights,
                                                          strict=True):
-                            x = formed_column(plgpu.load(col_smem.at[wg, i, r], (),
-                                                         layout=ROW_VECTOR), w_r)
+                            x = formed_column(load(col_smem.at[wg, i, r], ROW_VECTOR), w_r)
                             if seg is None:  # the whole block
                                 pieces = [(base, x, block.transpose((1, 0)) if transposed
                                            else block)]
@@ -417,14 +417,14 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             for r, acc in zip(blocks, accs, strict=True):
                 if quadratic:  # x Z [ROWS, D] and the rows' weights
                     xz = quadratic_product(x_smem.at[wg, r], parts_smem)
-                    weights = plgpu.load(weights_smem.at[wg, r], (), layout=ROW_VECTOR)
+                    weights = load(weights_smem.at[wg, r], ROW_VECTOR)
                 if gradient:  # [ROWS, D]: dx = 2 (acc + w x Z), dls its row sums against x
                     dx = 2.0 * (acc + by_rows(weights, acc.shape) * xz if quadratic else acc)
-                    rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)
+                    rows_x = load(x_smem.at[wg, r], WGMMA).astype(F32)
                     outs[1].at[wg, r][...] = jnp.sum(dx * rows_x, axis=1)
                     acc = dx.astype(BF16)
                 elif quadratic:  # den = w x^T Z x
-                    rows_x = plgpu.load(x_smem.at[wg, r], (), layout=WGMMA).astype(F32)
+                    rows_x = load(x_smem.at[wg, r], WGMMA).astype(F32)
                     outs[1].at[wg, r][...] = weights * jnp.sum(xz * rows_x, axis=1)
                 outs[0].at[wg, r][...] = acc.astype(out_dtype)
             plgpu.commit_smem()

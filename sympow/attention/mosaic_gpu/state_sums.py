@@ -33,6 +33,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     Ring,
     by_cols,
     launch,
+    load,
     products,
     products_in_halves,
     swizzled,
@@ -179,17 +180,17 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
                 # [D, ROWS], [per_program, ROWS] (col_i of the block, or xt's rows i),
                 # [ROWS, E] (and w [ROWS])
                 xt_smem, col_rows, a_smem, *w_smem = ring.wait_all(slot)
-                w = plgpu.load(w_smem[0], (), layout=COL_VECTOR) if formed else None
+                w = load(w_smem[0], COL_VECTOR) if formed else None
                 if by_groups:  # a^T [E, ROWS], read transposed from its [ROWS, E] tile
-                    base = plgpu.layout_cast(plgpu.load(
-                        a_smem.transpose((1, 0)), (), layout=WGMMA_TRANSPOSED), WGMMA)
+                    base = plgpu.layout_cast(load(
+                        a_smem.transpose((1, 0)), WGMMA_TRANSPOSED), WGMMA)
                     rhs = [xt_smem.at[pl.ds(BLOCK * t, d - BLOCK * t)].transpose((1, 0))
                            for t in range(per_wg)]  # [ROWS, D - 16 t]: rows j >= 16 t
                 else:
-                    base, rhs = plgpu.load(xt_smem, (), layout=WGMMA), [a_smem] * per_wg
+                    base, rhs = load(xt_smem, WGMMA), [a_smem] * per_wg
 
                 def operands(features):
-                    scales = [plgpu.load(col_rows.at[col_row(t, wg)], (), layout=COL_VECTOR)
+                    scales = [load(col_rows.at[col_row(t, wg)], COL_VECTOR)
                               for t in features]
                     return [base * by_cols(formed_column(x, w)) for x in scales]
                 return operands, rhs

@@ -345,6 +345,24 @@ def test_the_backward_factors_are_the_capped_exponential(rng, p):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=0)
 
 
+def test_load_passes_an_index_only_to_a_plgpu_load_that_requires_one(monkeypatch):
+    """blocks.load takes a whole shared-memory ref in a layout: jax 0.10's plgpu.load needs
+    the empty index, 0.11's deprecates passing any (a DeprecationWarning a kernel load)."""
+    calls = []
+
+    def requires_index(src, idx, *, layout=None, optimized=True):
+        calls.append(("required", src, idx, layout))
+
+    def optional_index(src, idx=None, *, layout=None, optimized=True):
+        calls.append(("optional", src, idx, layout))
+
+    for fake in (requires_index, optional_index):
+        monkeypatch.setattr(blocks.plgpu, "load", fake)
+        blocks.load("ref", blocks.COL_VECTOR)
+    assert calls == [("required", "ref", (), blocks.COL_VECTOR),
+                     ("optional", "ref", None, blocks.COL_VECTOR)]
+
+
 def test_a_ring_has_one_barrier_per_group_and_slot_that_each_copy_of_the_group_arrives_on():
     specs = [blocks.tile(64), blocks.tile(128), blocks.VECTOR]
     arrays, loaded, freed = blocks.Ring.scratch(specs, 3, groups=[(0, 2), (1,)])
