@@ -29,13 +29,14 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     the normalizer), each against its definition on the same stored entries
     (`_stored_upper`), and y rounded to bf16 in the kernel as the tier's da is
     (`y_bf16_stored_upper`); then the tier's calls again with col formed in the kernels
-    from x^T and e^(2 ls) (`state_kernels.Columns`, `_formed`: the same bf16 col, so the
+    from x^T and e^(2 ls) (`column_forms.Columns`, `_formed`: the same bf16 col, so the
     same definitions); last the normalizer sums (`gram.weighted_gram`, a Triton kernel)
     against float64, float32-accurate (`check_gram`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from sympow.attention.mosaic_gpu import column_forms
     from sympow.attention.mosaic_gpu import state_kernels as sk
     from sympow.attention.mosaic_gpu import state_references as sr
     from sympow.attention.mosaic_gpu import state_sums as ss
@@ -58,7 +59,7 @@ def check_state_kernels(rng, b, hq, hk, n, c, e, scales):
     @jax.jit
     def run(xt, col, a, x, s, z, weights, w):
         norm = sk.Normalizer(z_parts(z), weights)
-        formed = sk.Columns(xt, w)
+        formed = column_forms.Columns(xt, w)
         slotted = jnp.concatenate([jnp.full_like(s[:, :, :1], jnp.nan), s], axis=2)
         stored = sr.upper_arrays(slotted)
         return [(ss.rows_to_state(xt, col, a, kv_heads=hk),

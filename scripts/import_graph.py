@@ -39,6 +39,7 @@ LAYERS = (
     "sympow.attention.mosaic_gpu.gram",
     "sympow.attention.mosaic_gpu.backward_kernel",
     "sympow.attention.mosaic_gpu.vjps", "sympow.attention.mosaic_gpu.state_walks",
+    "sympow.attention.mosaic_gpu.column_forms",
     "sympow.attention.mosaic_gpu.state_kernels", "sympow.attention.mosaic_gpu.state_sums",
     "sympow.attention.mosaic_gpu.state_references",
     "sympow.attention.mosaic_gpu.states",

@@ -18,8 +18,9 @@ selection products):
 with x the raw rows (keys or queries, bf16), u = x e^ls their scaled values and
 col = x^T e^(2 ls) [D, C], so u_ri u_rj = col_ir x_rj. The operand is a bf16 product: col
 in bf16 (stored so, or rounded where the kernel loads it: the same numbers, and bf16 halves
-its traffic), times x (bf16 x bf16 is exact in float32, so the product rounds once more,
-to bf16, where the MMA takes it; no float32 copy of the block, no conversions).
+its traffic; or formed there from x^T and e^(2 ls), `column_forms`), times x (bf16 x
+bf16 is exact in float32, so the product rounds once more, to bf16, where the MMA takes
+it; no float32 copy of the block, no conversions).
 Accumulators are float32. D = 64 (WIDTHS[0]); E in WIDTHS.
 
 Programs (blocks.py): two compute warpgroups and a memory warpgroup feeding a `Ring`.
@@ -81,6 +82,11 @@ from sympow.attention.mosaic_gpu.blocks import (
     swizzled,
     tile,
 )
+from sympow.attention.mosaic_gpu.column_forms import (
+    column_source,
+    column_weights,
+    formed_column,
+)
 from sympow.attention.mosaic_gpu.state_walks import (
     BLOCK,
     BLOCKS_PER_STEP,
@@ -138,46 +144,6 @@ class Normalizer(NamedTuple):
     weights: Array
 
 
-class Columns(NamedTuple):
-    """col = x^T e^(2 ls) formed by the kernel where it loads it, from
-
-    xt [B, Hx, N, D, C] bf16: the rows x transposed (which rows_to_state reads anyway);
-    w [B, Hx, N, C] float32: e^(2 ls) per row,
-
-    each entry xt_ir w_r rounded to bf16 in the kernel: the numbers `states.columns`
-    stores (the same float32 product, rounded once), without the [D, C] array XLA would
-    write and keep for the backward (at T = 65,536, H = 8: 64 MiB and ~40 us a pass on an
-    H200). The kernels read xt where they read col, the same bytes, and w beside it."""
-
-    xt: Array
-    w: Array
-
-
-def column_source(col) -> Array:
-    """The [B, Hx, N, D, C] array a kernel copies its col blocks from: col, or a
-    `Columns`' xt."""
-    return col.xt if isinstance(col, Columns) else col
-
-
-def column_weights(col) -> Array | None:
-    """A `Columns`' w (the kernel scales its xt blocks by it), or None for a stored col."""
-    return col.w if isinstance(col, Columns) else None
-
-
-def formed_column(x, w):
-    """A col vector as the tensor cores take it, bf16: a stored col's x, or (w given) x the
-    rows' xt entries times their weights w, in float32, rounded once (`Columns`)."""
-    return x.astype(BF16) if w is None else (x.astype(F32) * w).astype(BF16)
-
-
-def stored_columns(col) -> Array:
-    """col as an array [B, Hx, N, D, C]: itself, or a `Columns`' entries formed as the
-    kernels form them (bf16)."""
-    if not isinstance(col, Columns):
-        return col
-    return formed_column(col.xt, col.w[..., None, :])
-
-
 def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | None = None,
                   stages: int | None = None, slot_offset: int = 0, chunks_per_program: int = 1,
                   upper: bool = False, packed: bool = False, pipelined: bool = False,
@@ -189,7 +155,7 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
     den_r = w_r rows_r^T Z rows_r: (out, den).
 
     rows [B, Hx, N, C, W] bf16 (x with W = D, or a with W = E when transposed); col
-    [B, Hx, N, D, C] bf16 or float32, or `Columns` (formed in the kernel); s
+    [B, Hx, N, D, C] bf16 or float32, or `column_forms.Columns` (formed in the kernel); s
     [B, Hk, N, D^2, E] bf16 read by query head h as kv head h // (Hx / Hk), or the same
     state in the upper layout, a tuple or list of the arrays of
     `state_walks.upper_shapes((B, Hk, N), D, E)` (its whole blocks read from their held

@@ -5,7 +5,7 @@ the CPU tests put in the kernels' place to check the custom_vjps and the chunked
 around them (`tests/attention/mosaic_gpu/test_states.py`). Same arguments and outputs as
 the kernels (shapes in their docstrings), but every output float32 where the kernel's is
 float32 or rounded as the kernel rounds it (S and dx to bf16); col stored, or
-`state_kernels.Columns` formed as the kernels form it (`stored_columns`).
+`column_forms.Columns` formed as the kernels form it (`stored_columns`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from sympow.attention.mosaic_gpu.column_forms import stored_columns
 from sympow.attention.mosaic_gpu.state_kernels import (
     BF16,
     DIM,
     F32,
     Normalizer,
     check_slots,
-    stored_columns,
 )
 from sympow.attention.mosaic_gpu.state_walks import BLOCK
 

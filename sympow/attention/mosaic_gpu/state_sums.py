@@ -39,15 +39,17 @@ from sympow.attention.mosaic_gpu.blocks import (
     swizzled,
     tile,
 )
+from sympow.attention.mosaic_gpu.column_forms import (
+    column_source,
+    column_weights,
+    formed_column,
+)
 from sympow.attention.mosaic_gpu.state_kernels import (
     BF16,
     F32,
     check_chunks_per_program,
     check_slots,
     check_stages,
-    column_source,
-    column_weights,
-    formed_column,
 )
 from sympow.attention.mosaic_gpu.state_walks import BLOCK, upper_shapes
 
@@ -101,7 +103,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     the rows j >= 16 b are stored (the layout before 2026-11-28).
 
     xt [B, Hx, N, D, C] bf16 (the rows, transposed); col [B, Hx, N, D, C] bf16 or float32,
-    or `state_kernels.Columns` (formed in the kernel from its xt, normally xt itself, and
+    or `column_forms.Columns` (formed in the kernel from its xt, normally xt itself, and
     w: a ring block of w a step beside the col rows); a [B, Hx, N, C, E] bf16; Hx = R
     kv_heads (query head h in group h // R); C a multiple of TILE_ROWS, D = DIM.
 

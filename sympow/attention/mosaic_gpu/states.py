@@ -51,6 +51,7 @@ from sympow.attention import chunked
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import (
     blocks,
+    column_forms,
     gram,
     state_kernels,
     state_references,
@@ -67,7 +68,7 @@ P = 2  # the square layout is phi for p = 2
 # col's dtype in device memory: the kernels round it to bf16 where the tensor cores take
 # it, so bf16 here is the same numbers at half the bytes (float32 until 2026-11-25).
 COLUMNS_DTYPE = "bfloat16"
-# Whether the kernels form col themselves from x^T and e^(2 ls) (`state_kernels.Columns`):
+# Whether the kernels form col themselves from x^T and e^(2 ls) (`column_forms.Columns`):
 # the same bf16 numbers without the [D, C] arrays XLA writes for them, one for the keys in
 # the forward and one for the queries (kept from the forward for the backward); a float32
 # COLUMNS_DTYPE is stored whatever this says. Off: on an H200 (T = 65,536, H = 8,
@@ -143,11 +144,11 @@ def columns(x, ls):
 
 def kernel_columns(x, ls, xt=None):
     """col as the state kernels take it for rows x [B, H, N, C, d] and ls [B, H, N, C]:
-    `state_kernels.Columns` (xt = x^T, given or made here, and w = e^(2 ls)) with
+    `column_forms.Columns` (xt = x^T, given or made here, and w = e^(2 ls)) with
     FORMED_COLUMNS and a bf16 COLUMNS_DTYPE, else the stored `columns`."""
     if not FORMED_COLUMNS or jnp.dtype(COLUMNS_DTYPE) != BF16:
         return columns(x, ls)
-    return state_kernels.Columns(jnp.swapaxes(x, -1, -2) if xt is None else xt,
+    return column_forms.Columns(jnp.swapaxes(x, -1, -2) if xt is None else xt,
                                  jnp.exp(P * ls))
 
 

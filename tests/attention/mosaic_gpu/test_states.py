@@ -24,6 +24,7 @@ from sympow.attention import chunked, reference, testing, xla
 from sympow.attention.config import AttentionConfig
 from sympow.attention.mosaic_gpu import (
     blocks,
+    column_forms,
     gram,
     state_kernels,
     state_references,
@@ -260,7 +261,7 @@ def test_the_kernels_form_col_from_xt_and_w_where_given_columns(monkeypatch):
                                            (True, 3, ([(0,), (1, 3), (2,)], [1, 4 + 1, 1])),
                                            (False, 1, ([(0, 1, 2, 3)], None))):
         text = lowered(lambda xt, w, a, u=upper, k=step_barriers: state_sums.rows_to_state(
-            xt, state_kernels.Columns(xt, w), a, kv_heads=hk, upper=u, step_barriers=k),
+            xt, column_forms.Columns(xt, w), a, kv_heads=hk, upper=u, step_barriers=k),
             xt, w, ((b, hq, n, c, e), BF16))
         assert text.count("@mosaic_gpu") == 1 and w_type in text
         assert "stablehlo.multiply" not in text
@@ -269,10 +270,10 @@ def test_the_kernels_form_col_from_xt_and_w_where_given_columns(monkeypatch):
     x, a = ((b, hq, n, c, D), BF16), ((b, hq, n, c, e), BF16)
     z = [((b, hk, n, 3 * D, D), BF16), ((b, hq, n, c), F32)]
     runs = [(lambda x, xt, w, *s: state_kernels.state_to_rows(
-                x, state_kernels.Columns(xt, w), s, transposed=False, slot_offset=1,
+                x, column_forms.Columns(xt, w), s, transposed=False, slot_offset=1,
                 upper=True, packed=True, pipelined=True), [x, xt, w, *upper]),
             (lambda a, x, xt, w, *rest: state_kernels.row_gradients(
-                a, x, state_kernels.Columns(xt, w), rest[:4], slot_offset=1,
+                a, x, column_forms.Columns(xt, w), rest[:4], slot_offset=1,
                 normalizer=state_kernels.Normalizer(*rest[4:])), [a, x, xt, w, *upper, *z])]
     for fn, shapes in runs:
         text = lowered(fn, *shapes)
@@ -288,9 +289,9 @@ def test_the_formed_columns_are_the_stored_ones_bit_for_bit(rng, monkeypatch):
     ls = jnp.asarray(rng.uniform(-3.0, 0.0, size=(1, 2, 3, 8)), F32)
     monkeypatch.setattr(states, "FORMED_COLUMNS", True)
     formed = states.kernel_columns(x, ls)
-    assert isinstance(formed, state_kernels.Columns)
+    assert isinstance(formed, column_forms.Columns)
     np.testing.assert_array_equal(np.asarray(formed.xt), np.asarray(jnp.swapaxes(x, -1, -2)))
-    got = state_kernels.stored_columns(formed)
+    got = column_forms.stored_columns(formed)
     assert got.dtype == BF16
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(states.columns(x, ls), np.float32))
