@@ -118,9 +118,8 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
 
     step_barriers: 1, a step's three blocks (xt, col, a; and w) arrive on one barrier,
     which a compute warpgroup checks once a step (they are used together); 3, a barrier
-    each (w with col; the
-    layout before 2026-11-27, kept to measure against: each check is a round trip, and
-    the three held ~10 % of the kernel's warp samples, ncu, H200).
+    each, w on col's (the layout before 2026-11-27, kept to measure against: each check
+    is a round trip, and the three held ~10 % of the kernel's warp samples, ncu, H200).
 
     pipelined (the default): a warpgroup issues a step's products in two halves of its
     features and builds each half's operands while the other half's products run
