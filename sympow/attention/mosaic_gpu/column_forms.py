@@ -28,15 +28,10 @@ class Columns(NamedTuple):
     w: Array
 
 
-def column_source(col) -> Array:
-    """The [B, Hx, N, D, C] array a kernel copies its col blocks from: col, or a
-    `Columns`' xt."""
-    return col.xt if isinstance(col, Columns) else col
-
-
-def column_weights(col) -> Array | None:
-    """A `Columns`' w (the kernel scales its xt blocks by it), or None for a stored col."""
-    return col.w if isinstance(col, Columns) else None
+def column_parts(col) -> tuple[Array, Array | None]:
+    """(source, w): the [B, Hx, N, D, C] array a kernel copies its col blocks from and the
+    weights it scales them by: (col, None) for a stored col, a `Columns`' (xt, w)."""
+    return (col.xt, col.w) if isinstance(col, Columns) else (col, None)
 
 
 def formed_column(x, w):

@@ -83,8 +83,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     tile,
 )
 from sympow.attention.mosaic_gpu.column_forms import (
-    column_source,
-    column_weights,
+    column_parts,
     formed_column,
 )
 from sympow.attention.mosaic_gpu.state_walks import (
@@ -191,8 +190,8 @@ def state_to_rows(rows, col, s, *, transposed: bool, normalizer: Normalizer | No
         raise ValueError(f"out_dtype must be float32 or bfloat16; got {jnp.dtype(out_dtype)}")
     return _state_to_rows(rows, col, s, None, normalizer, transposed=transposed, stages=stages,
                           slot_offset=slot_offset, chunks_per_program=chunks_per_program,
-                          segments=upper_segments(column_source(col).shape[-2], packed) if upper
-                          else None,
+                          segments=upper_segments(column_parts(col)[0].shape[-2], packed)
+                          if upper else None,
                           pipelined=pipelined, out_dtype=jnp.dtype(out_dtype))
 
 
@@ -221,7 +220,7 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
     a normalizer, the quadratic form of its Z against the rows x (three products with Z's
     parts per block of rows, after the state's) in the epilogue."""
     b, hx, n, c, w = rows.shape
-    source, col_weights = column_source(col), column_weights(col)
+    source, col_weights = column_parts(col)
     d, formed = source.shape[-2], col_weights is not None
     stored_upper = isinstance(s, (tuple, list))  # the upper layout: one array per group
     arrays = tuple(s) if stored_upper else (s,)
@@ -317,8 +316,9 @@ def _state_to_rows(rows, col, s, x, normalizer, *, transposed: bool, stages: int
             load_own(list(zip(sources, own, strict=True)), wg, own_bars)
             blocks = [pl.ds(j * ROWS, ROWS) for j in range(sub)]
             bases = [load(rows_smem.at[wg, r], WGMMA) for r in blocks]
-            row_weights = ([load(own[-1].at[wg, r], ROW_VECTOR)
-                            for r in blocks] if formed else [None] * sub)  # w by row block
+            col_weights_smem = own[-1] if formed else None  # w: the last own block
+            row_weights = ([load(col_weights_smem.at[wg, r], ROW_VECTOR) for r in blocks]
+                           if formed else [None] * sub)  # w by row block
 
             def accumulate_all(*acc_refs):
                 def step_blocks(slot, step, seg=None):

@@ -40,8 +40,7 @@ from sympow.attention.mosaic_gpu.blocks import (
     tile,
 )
 from sympow.attention.mosaic_gpu.column_forms import (
-    column_source,
-    column_weights,
+    column_parts,
     formed_column,
 )
 from sympow.attention.mosaic_gpu.state_kernels import (
@@ -129,7 +128,7 @@ def rows_to_state(xt, col, a, *, kv_heads: int, stages: int = 4, slots: int | No
     """
     b, hx, n, d, c = xt.shape
     e = a.shape[-1]
-    source, col_weights = column_source(col), column_weights(col)
+    source, col_weights = column_parts(col)
     formed = col_weights is not None
     slots = n if slots is None else slots
     check_slots(slots, n, slot_offset)
