@@ -36,7 +36,7 @@ from sympow.attention.pallas import vjps
 from sympow.attention.pallas.plan import make_form_plan, padded_width
 from sympow.attention.pallas.primitives import pad_to
 from sympow.attention.reference import Keys, LogGates, Outputs, Queries, Values
-from sympow.numerics import compute_dtype, safe_divide
+from sympow.numerics import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -75,4 +75,4 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
         return y[:, :t, :, :e]
     qc, kc, vc = (to_chunks(x, 1, plan.c) for x in (q, k, v))  # [B, H, 1, C, W]
     o, den, _ = attention(plan, qc, kc, vc, a)
-    return from_chunks(safe_divide(o, den), t)[..., :e]
+    return from_chunks(vjps.normalized(plan, o, den), t)[..., :e]

@@ -72,10 +72,13 @@ def _scores(q, k, decay, plan: Plan, *, diagonal: bool):
 
 
 def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
-    """w [bq, bk] from the saved row max, dl = w dw and ds = p dl / s."""
+    """w [bq, bk] from the saved row max, dl = w dw and ds = p dl / s.
+
+    dl = w (do . v) + w dden: the product is not added to dden itself, which Triton folds
+    into the product's accumulator (dden + do_0 v_0 + ...), where `row_dots`' -dden no
+    longer cancels it exactly (dq under full decay on an H100: up to 1.4e-3 of the scale)."""
     w = jnp.exp(logit - m[:, None])  # logit <= m: no overflow; -inf -> 0
-    dw = dot(do, v, plan, trans_b=True) + dden[:, None]  # [bq, bk]
-    dl = w * dw
+    dl = w * dot(do, v, plan, trans_b=True) + w * dden[:, None]  # [bq, bk]
     ds = jnp.where(valid, plan.p * dl / jnp.where(valid, s, 1.0), 0.0)
     return w, dl, ds
 
@@ -197,6 +200,37 @@ def _dkv_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, m_ref, do_ref, dden_
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     dtail_ref[...] = dtail
+
+
+def _row_dots_kernel(x_ref, y_ref, out_ref, *, plan: Plan):
+    """x_i . y_i of a block of rows as the diagonal of the block product x y^T [K, K]: the
+    arithmetic (same dot, same shapes, same warps) of `_grad_terms`' do_i . v_j, so where
+    y_i = v_j the two round alike and dw_ij = do_i . v_j - do_i . y_i is exactly 0."""
+    prod = dot(x_ref[...], y_ref[...], plan, trans_b=True)  # [K, K]
+    rows = jnp.arange(plan.attn_bq, dtype=jnp.int32)
+    out_ref[...] = jnp.sum(jnp.where(rows[:, None] == rows[None, :], prod, 0.0), axis=1)
+
+
+def row_dots(x, y, plan: Plan):
+    """[B, H, N, C] float32: x_r . y_r for x, y [B, H, N, C, E] (E = plan.e), computed as the
+    backward kernels compute do . v (`_row_dots_kernel`). The normalizer's cotangent
+    dden = -(do . y) formed so cancels exactly against the kernels' do . v where a row's
+    output is one value row (y_i = v_j: under full decay every row's own): formed by XLA
+    (another summation order) it left float32 noise of ~1e-4 of the problem's scale in dq
+    and dk, which are exactly 0 there (docs/kernels.md)."""
+    b, h, n, c, e = x.shape
+    if y.shape != x.shape or e != plan.e or c != plan.c:
+        raise ValueError(f"row_dots needs x and y of one shape [B, H, N, {plan.c}, {plan.e}], "
+                         f"got x {x.shape}, y {y.shape}")
+    per_query, _ = _specs(plan, h, 1)
+    rows = plan.attn_bq
+    return launch(
+        lambda *refs: _row_dots_kernel(*refs, plan=plan), plan=plan, name="sympow_row_dots",
+        grid=(c // rows, n, b * h), in_specs=[per_query(rows, e), per_query(rows, e)],
+        out_specs=per_query(rows),
+        out_shape=jax.ShapeDtypeStruct((b, h, n, c), jnp.float32),
+        warps=plan.warps_attn, stages=plan.attn_stages)(x.astype(plan.mm_dtype),
+                                                       y.astype(plan.mm_dtype))
 
 
 def _specs(plan: Plan, hq: int, groups: int):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from sympow.attention.pallas import attention_kernels, prefix_kernels, state_kernels
 from sympow.attention.pallas.plan import Plan, PrefixPlan
+from sympow.numerics import safe_divide
 
 
 class UpdateResiduals(NamedTuple):
@@ -108,6 +109,39 @@ def _attention_bwd(plan, res: AttentionResiduals, cts):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def normalizer_cotangent(plan: Plan, do, y, dden):
+    """The cotangent of den for y = o / den, -(do . y) [B, H, N, C], from the kernels'
+    arithmetic (`attention_kernels.row_dots`) for float32 products; `dden`, the same
+    quantity as XLA formed it, for bf16 ones, whose kernels round do and v to bf16 (a dot
+    of rounded y would move dden by y's rounding)."""
+    if plan.mm_dtype != jnp.float32:
+        return dden
+    return -attention_kernels.row_dots(do, y, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def normalized(plan: Plan, o, den):
+    """y = o / den [B, H, N, C, E] for o [B, H, N, C, E] and den [B, H, N, C] (0 where
+    den = 0, as `numerics.safe_divide`), its cotangent of den `normalizer_cotangent`'s: the
+    attention form's output from the attention kernels' (o, den)."""
+    return safe_divide(o, den)
+
+
+def _normalized_fwd(plan, o, den):
+    y = safe_divide(o, den)
+    return y, (den, y)
+
+
+def _normalized_bwd(plan, res, dy):
+    den, y = res  # dy / dden of o / den: -(dy . o) / den^2 = -(do . y)
+    positive = den > 0
+    do = dy * jnp.where(positive, 1.0 / jnp.where(positive, den, 1.0), 0.0)[..., None]
+    return do, normalizer_cotangent(plan, do, y, -jnp.sum(do * y, axis=-1))
+
+
+normalized.defvjp(_normalized_fwd, _normalized_bwd)
+
+
 class QueryResiduals(NamedTuple):
     q: jax.Array
     s_in: jax.Array
@@ -135,7 +169,8 @@ def _query_bwd(plan, res: QueryResiduals, dy):
     hk = res.g.shape[1]
     ci, ce = res.c_intra[..., None], res.c_inter[..., None]
     delta = jnp.sum(dy * res.y, axis=-1, keepdims=True)  # y = num / total: d total = -delta
-    do, dden = dy * ci, (-delta * ci)[..., 0]
+    do = dy * ci
+    dden = normalizer_cotangent(plan, do, res.y, (-delta * ci)[..., 0])
     dm = (ci * (jnp.sum(dy * res.o, axis=-1, keepdims=True) - delta * res.den[..., None]))[..., 0]
     d_inter_o, d_inter_den = dy * ce, (-delta * ce)[..., 0]
     ls = res.g / plan.p
