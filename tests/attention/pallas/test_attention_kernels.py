@@ -48,6 +48,8 @@ def test_row_dots_refuse_other_shapes():
         attention_kernels.row_dots(x, jnp.zeros((1, 1, 1, plan.c, plan.e + 1)), plan)
     with pytest.raises(ValueError, match=r"\[B, H, N, 128, 32\]"):
         attention_kernels.row_dots(x[..., :16], x[..., :16], plan)
+    with pytest.raises(ValueError, match=r"got x \(128, 32\)"):
+        attention_kernels.row_dots(x[0, 0, 0], x[0, 0, 0], plan)
 
 
 @pytest.mark.parametrize("algorithm", ["chunked", "attention"])
