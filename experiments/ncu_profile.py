@@ -1,6 +1,7 @@
 """Hardware counters of the attention kernels: run the cases under Nsight Compute, then read
 its report back into a per-kernel summary.
 
+  XLA_PYTHON_CLIENT_PREALLOCATE=false \
   ncu --clock-control none -k regex:'sympow|cudnn' --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       --section Occupancy --section LaunchStats -o /tmp/attn \
@@ -13,7 +14,10 @@ algorithm empty for the automatic choice): bf16, B x T = 65,536, d = e = 64, sym
 with gating, the benchmark's inputs (`timing.attention_inputs`); each case's forward +
 backward is compiled and run once, so ncu sees every kernel of it once. `--clock-control
 none` leaves the GPU's clocks as they are (the device notes ask it; ncu's default locks
-them to base).
+them to base). XLA_PYTHON_CLIENT_PREALLOCATE=false: with XLA's pool preallocated (75 % of
+the GPU), Nsight Compute 2025.3.1 segfaulted in its kernel replay or failed to allocate
+(H100, 2026-12-07); without it the attention form's cases profile. The chunked call's
+cases still segfault before their first kernel is profiled (docs/kernels.md).
 
 The summary (ncu_profile.json under --out) keeps per kernel: its duration, the SM and
 memory speed-of-light percentages, the tensor pipe's and the issue slots' busy share, the
