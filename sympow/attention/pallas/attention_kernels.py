@@ -74,14 +74,14 @@ def _scores(q, k, decay, plan: Plan, *, diagonal: bool):
 def _grad_terms(s, valid, logit, m, do, v, dden, plan: Plan):
     """w [bq, bk] from the saved row max, dl = w dw and ds = p dl / s.
 
-    For float32 products dl = w (do . v) + w dden: the product is not added to dden,
-    which Triton folds into the product's accumulator (dden + do_0 v_0 + ...), where
+    With `plan.dden_in_kernel_order` dl = w (do . v) + w dden: the product is not added to
+    dden, which Triton folds into the product's accumulator (dden + do_0 v_0 + ...), where
     `row_dots`' -dden no longer cancels it exactly (dq under full decay on an H100: up to
     1.4e-3 of the scale). bf16 plans take no dden from row_dots and keep the fold (one
     multiply a pair fewer: the portable attention form's fwd + bwd 4 % faster, H100)."""
     w = jnp.exp(logit - m[:, None])  # logit <= m: no overflow; -inf -> 0
     products = dot(do, v, plan, trans_b=True)  # [bq, bk]
-    if plan.mm_dtype == jnp.float32:
+    if plan.dden_in_kernel_order:
         dl = w * products + w * dden[:, None]
     else:
         dl = w * (products + dden[:, None])

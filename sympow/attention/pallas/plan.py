@@ -119,6 +119,14 @@ class Plan:
         return jnp.dtype(self.mm)
 
     @property
+    def dden_in_kernel_order(self) -> bool:
+        """Whether den's cotangent is formed by the attention kernels' own product
+        (`attention_kernels.row_dots`) and kept out of their products' accumulator, so that
+        it cancels their do . v exactly: float32 products (bf16 kernels round do and v, and
+        take XLA's dden)."""
+        return self.mm_dtype == jnp.float32
+
+    @property
     def precision(self):
         # float32 operands: ask for true fp32 products (Triton's default would be tf32).
         return HIGHEST if self.mm_dtype == jnp.float32 else None

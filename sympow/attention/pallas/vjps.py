@@ -111,10 +111,10 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 
 def normalizer_cotangent(plan: Plan, do, y, dden):
     """The cotangent of den for y = o / den, -(do . y) [B, H, N, C], from the kernels'
-    arithmetic (`attention_kernels.row_dots`) for float32 products; `dden`, the same
-    quantity as XLA formed it, for bf16 ones, whose kernels round do and v to bf16 (a dot
-    of rounded y would move dden by y's rounding)."""
-    if plan.mm_dtype != jnp.float32:
+    arithmetic (`attention_kernels.row_dots`) where `plan.dden_in_kernel_order` (float32
+    products); else `dden`, the same quantity as XLA formed it (bf16 kernels round do and v
+    to bf16: a dot of rounded y would move dden by y's rounding)."""
+    if not plan.dden_in_kernel_order:
         return dden
     return -attention_kernels.row_dots(do, y, plan)
 

@@ -83,3 +83,9 @@ def test_normalized_matches_the_safe_division_and_its_gradients(rng):
         assert np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got_vjp(dy)[1])[..., ::7] == 0.0)
+
+
+def test_dden_in_kernel_order_for_float32_products_only():
+    """row_dots' dden and w dden kept out of the product go together, for float32 products."""
+    assert _float32_plan().dden_in_kernel_order
+    assert not pallas_plan.make_plan(2, 16, 32, 128, "bfloat16", True).dden_in_kernel_order
