@@ -13,6 +13,9 @@ from sympow.attention.pallas import plan as pallas_plan
 from sympow.attention.pallas import primitives as pallas_primitives
 from sympow.attention.pallas.phi import to_symmetric_layout
 
+# float32 products only: the normalizer's cotangent in the attention kernels' arithmetic
+ROW_DOTS = {"sympow_row_dots"}
+
 
 def chunk_inputs(rng, *, b=2, hq=4, hk=2, n=3, c=16, d=16, e=16, dtype=jnp.float32):
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731

@@ -17,13 +17,12 @@ from sympow.attention import testing
 from sympow.attention.api import make_config
 from sympow.attention.pallas import attention_form
 from sympow.attention.testing import attention_inputs, rel_err
+from tests.attention.pallas.helpers import ROW_DOTS
 from tests.attention.suite import AttentionSuite
 
 FORM = dict(impl="pallas", algorithm="attention")
 KERNELS = {"sympow_attention_fwd"}
 BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv"}
-# float32 products only: the normalizer's cotangent in the attention kernels' arithmetic
-ROW_DOTS = {"sympow_row_dots"}
 
 
 class TestPallasAttentionForm(AttentionSuite):

@@ -18,6 +18,7 @@ from sympow.attention.config import AttentionConfig
 from sympow.attention.pallas import primitives as pallas_primitives
 from sympow.attention.testing import attention_inputs, rel_err
 from sympow.embedding import expanded_dim
+from tests.attention.pallas.helpers import ROW_DOTS
 from tests.attention.suite import AttentionSuite
 
 CHUNKED = dict(impl="pallas", algorithm="chunked")
@@ -27,8 +28,6 @@ FORWARD_KERNELS = {"sympow_attention_fwd", "sympow_update_state", "sympow_prefix
 BACKWARD_KERNELS = {"sympow_attention_dq", "sympow_attention_dkv", "sympow_update_state_dk",
                     "sympow_update_state_dv",
                     "sympow_prefix_sum_bwd", "sympow_query_state_dq", "sympow_query_state_ds"}
-# float32 products only: the normalizer's cotangent in the attention kernels' arithmetic
-ROW_DOTS = {"sympow_row_dots"}
 
 
 class TestPallas(AttentionSuite):
