@@ -178,22 +178,31 @@ def normalize_queries_and_keys(q: Array, k: Array) -> tuple[Array, Array, Float[
     with key_scale = s [B, Hk] (1 where every key is zero), to restore true states.
     """
     ct = compute_dtype(q, k)
-    q_norm = _power_of_two(jnp.linalg.norm(q.astype(ct), axis=-1, keepdims=True))
-    q_unit = (q.astype(ct) / q_norm).astype(q.dtype)
+    q_unit = (q.astype(ct) / norm_bound(q.astype(ct), axis=(-1,))).astype(q.dtype)
     return (q_unit, *normalize_keys(k))
 
 
-def _power_of_two(x):
-    """The smallest power of two >= x (1 where x is 0), as a constant for autodiff."""
-    return jax.lax.stop_gradient(
-        jnp.where(x > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(x > 0, x, 1.0)))), 1.0))
+def norm_bound(x: Array, axis: tuple[int, ...]) -> Array:
+    """A power of two >= the norm of every vector x[..., :] within the `axis` reduced (the
+    last, the vectors' own, among them; keepdims) and < 2 sqrt(D) times the largest: the
+    smallest power of two >= sqrt(D) max |x_d| (1 where all are 0), constant for autodiff.
+
+    From the largest magnitude, not the norm: a norm's sum of squares overflows float32
+    above ~1.8e19 (the scale inf, every output 0) and underflows to 0 below ~1e-19 (the scale
+    1, and q . k underflows with it); a maximum does neither."""
+    bound = jnp.max(jnp.abs(x), axis=axis, keepdims=True) * math.sqrt(x.shape[-1])
+    # frexp and ldexp are exact where exp2(ceil(log2(.))) is not (exp2(-96.) != 2^-96 in
+    # float32 on a CPU): bound = mantissa 2^exponent with mantissa in [0.5, 1)
+    mantissa, exponent = jnp.frexp(jnp.where(bound > 0, bound, 1.0))
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    return jax.lax.stop_gradient(jnp.ldexp(jnp.ones_like(bound), exponent))
 
 
 def normalize_keys(k: Array) -> tuple[Array, Float[Array, "B Hk"]]:
     """The key half of `normalize_queries_and_keys`: (K / s, s) per (batch, head)."""
     ct = compute_dtype(k)
-    k_scale = _power_of_two(jnp.max(jnp.linalg.norm(k.astype(ct), axis=-1), axis=1))
-    return (k.astype(ct) / k_scale[:, None, :, None]).astype(k.dtype), k_scale
+    k_scale = norm_bound(k.astype(ct), axis=(1, -1))  # [B, 1, Hk, 1]
+    return (k.astype(ct) / k_scale).astype(k.dtype), k_scale[:, 0, :, 0]
 
 
 def chunked_attention(

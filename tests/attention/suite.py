@@ -126,3 +126,22 @@ class AttentionSuite:
         np.testing.assert_allclose(jax.jit(fn)(q, k, v, log_g), direct, rtol=1e-5, atol=1e-6)
         mapped = jax.vmap(fn)(q[:, None], k[:, None], v[:, None], log_g[:, None])[:, 0]
         np.testing.assert_allclose(mapped, direct, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize(("q_scale", "k_scale"), [(2.0**66, 1.0), (1.0, 2.0**66),
+                                                      (2.0**-66, 1.0), (1.0, 2.0**-66)])
+    def test_queries_and_keys_at_any_scale(self, rng, q_scale, k_scale):
+        """q or k where a norm's sum of squares overflows float32 (2^66 ~ 7e19 > 1.8e19) or
+        underflows: y is invariant to the scales and dq, dk scale inversely, so the
+        unscaled inputs' gradients give the expected ones. Within 1e-4: at |s| ~ 2^66 a
+        log-space logit (the specification's, the attention form's) carries ulp(p log|s|)."""
+        q, k, v, log_g = attention_inputs(rng, t=24, hq=4, hk=2, d=16, e=8)
+        cot = jnp.asarray(rng.normal(size=(2, 24, 4, 8)), jnp.float32)
+        _, (dq, dk, dv, dlog_g) = grads("reference", None, 2, cot, q, k, v, log_g)
+        scaled = (q * q_scale, k * k_scale, v, log_g)
+        expected = [sympow.sympow_attention(q, k, v, log_g, p=2, impl="reference"),
+                    dq / q_scale, dk / k_scale, dv, dlog_g]
+        _, got_grads = self.grads(2, cot, *scaled)
+        got = [self.attend(*scaled, 2), *got_grads]
+        for name, x, y in zip("y dq dk dv dlog_g".split(), got, expected, strict=True):
+            assert np.all(np.isfinite(np.asarray(x))), name
+            assert rel_err(x, y) < 1e-4, (name, rel_err(x, y))

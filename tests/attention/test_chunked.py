@@ -12,7 +12,12 @@ import pytest
 
 import sympow
 from sympow.attention import reference, xla
-from sympow.attention.chunked import chunked_attention, gates_or_zeros
+from sympow.attention.chunked import (
+    chunked_attention,
+    gates_or_zeros,
+    norm_bound,
+    normalize_queries_and_keys,
+)
 from sympow.attention.testing import attention_inputs, max_err, rel_err
 from tests.attention.helpers import CASES, rotate
 
@@ -102,3 +107,30 @@ def test_gates_or_zeros_casts_given_gates_and_fills_zeros():
     zeros = gates_or_zeros(None, k, jnp.float32)
     assert zeros.shape == (2, 5, 3) and zeros.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(zeros), 0.0)
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**-66, 1.0, 2.0**66, 2.0**100])
+def test_the_scales_bound_every_norm_across_float32s_range(rng, scale):
+    """q per row and k per (batch, head) divided by powers of two: each unit row's norm in
+    (1 / (2 sqrt(D)), 1] at every scale (the norm's own sum of squares overflows from ~1.8e19
+    and underflows below ~1e-19), key_scale the keys' power of two, zero rows unchanged."""
+    q, k, _, _ = attention_inputs(rng, b=2, t=9, hq=4, hk=2, d=16)
+    q, k = (q * scale).at[0, 3].set(0.0), k * scale
+    q_unit, k_unit, key_scale = normalize_queries_and_keys(q, k)
+    norms = np.linalg.norm(np.asarray(q_unit, np.float64), axis=-1)
+    assert np.all(norms[0, 3] == 0)
+    nonzero = np.delete(norms, 3, axis=1)
+    assert np.all(nonzero <= 1) and np.all(nonzero > 1 / (2 * 4))
+    head_max = np.linalg.norm(np.asarray(k_unit, np.float64), axis=-1).max(axis=1)
+    assert np.all(head_max <= 1) and np.all(head_max > 1 / (2 * 4))
+    assert key_scale.shape == (2, 2)
+    log2 = np.log2(np.asarray(key_scale, np.float64))
+    np.testing.assert_array_equal(log2, np.round(log2))  # exact powers of two
+    np.testing.assert_array_equal(np.asarray(k_unit) * np.asarray(key_scale)[:, None, :, None],
+                                  np.asarray(k))
+
+
+def test_norm_bound_of_zeros_is_one():
+    bound = norm_bound(jnp.zeros((2, 3, 4)), axis=(-1,))
+    assert bound.shape == (2, 3, 1)
+    np.testing.assert_array_equal(bound, 1.0)
