@@ -111,7 +111,8 @@ PRIMITIVE_CASES = [
 STATE_CASES = [(1, 2, 2, 1, 128, 64, "ordinary"), (2, 4, 2, 3, 512, 64, "ordinary"),
                (1, 2, 1, 2, 256, 128, "ordinary"), (1, 2, 2, 2, 256, 64, "full"),
                (1, 2, 2, 4, 256, 64, "ordinary")]  # N = 4: four chunks a program
-ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "no_decay", "full_decay")
+ADVERSARIAL = ("zero_queries", "zero_keys", "huge_norms", "large_scales", "small_scales",
+               "no_decay", "full_decay")
 # (gate history, T) of --only=precision: issue 11's three histories and 65,536 ordinary gates.
 PRECISION = [("strong_every_97", 900), ("offset_at_start", 900), ("gates_x200", 900),
              ("ordinary", 65536)]

@@ -68,6 +68,10 @@ def inputs(case: Case, rng: np.random.Generator, *, kind: str = "random"):
         k[0, :, 0] = 0.0
     elif kind == "huge_norms":
         q, k = q * 1e3, k * 1e3
+    elif kind == "large_scales":  # norms whose squares overflow float32; q . k ~ 1e33
+        q, k = q * 2.0**66, k * 2.0**40
+    elif kind == "small_scales":  # norms whose squares underflow; q . k ~ 1e-29
+        q, k = q * 2.0**-66, k * 2.0**-30
     elif kind == "no_decay":
         log_g[:] = 0.0
     elif kind == "full_decay":

@@ -8,7 +8,13 @@ state: O(T) memory, any even p. Y = o / den then needs no inter-chunk terms.
 
 Per score the kernels evaluate two transcendentals, log|Q_i . K_j| and one exp (softmax
 needs the exp only): the power is taken in log space so that no power under- or overflows
-whatever p and the norms (docs/design.md §4). The backward recomputes both.
+whatever p and the norms (docs/design.md §4). The backward recomputes both. The weights
+are invariant to the scales of q and k, but a logit carries a rounding of ulp(p log|s|):
+~1e-7 of a weight at |s| <= 1, ~1e-5 at |s| ~ 1e30. So float32 runs, as the chunked driver,
+on q and k divided by powers of two (|Q_i . K_j| <= 1); the Hopper tier's bf16 kernels take
+them as given (a rounding far below bf16's at any scale, and those three passes over q, k
+and dk were ~5 % of the form's time: docs/kernels.md), with the specification's domain:
+each Q_i . K_j finite in float32.
 
 Shapes the kernels do not take run padded: T to a power of two >= 16 (zero rows: zero keys
 add nothing, causality keeps padded queries out of real rows), d and e to powers of two
@@ -64,12 +70,13 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
     if isinstance(plan, str):
         _log_fallback(plan)
         return blocked_attention(q, k, v, log_g, p=config.p, block=default_block_size(t))
-    q, k, _ = normalize_queries_and_keys(q, k)  # as the chunked driver: |Q_i . K_j| <= 1
+    token_primitive = in_tokens and in_tokens(plan)
+    if not token_primitive:  # q and k as given in token layout (see the module docstring)
+        q, k, _ = normalize_queries_and_keys(q, k)  # |Q_i . K_j| <= 1
     ct = compute_dtype(q, k, v)
     log_g = gates_or_zeros(log_g, k, ct)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
     q, k, v = (pad_to(x, -1, width) for x, width in ((q, plan.d), (k, plan.d), (v, plan.e)))
-    token_primitive = in_tokens and in_tokens(plan)
     if token_primitive:  # y [B, C, Hq, E]
         y = token_primitive(plan, *(pad_to(x, 1, plan.c) for x in (q, k, v)), a)
         return y[:, :t, :, :e]

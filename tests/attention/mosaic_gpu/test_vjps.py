@@ -170,6 +170,35 @@ def test_the_token_layout_form_is_the_portable_form(rng, monkeypatch):
         assert testing.rel_err(x, y) <= 1e-5, testing.rel_err(x, y)
 
 
+def test_the_token_layout_takes_q_and_k_as_given(rng, monkeypatch):
+    """The Mosaic kernels' weights are invariant to the scales of q and k, so the token-layout
+    form hands them over undivided (no passes over q, k and dk for powers of two, which the
+    portable form's float32 runs on): the forward kernel sees q's own rows, and with q at
+    2^70 (its norm's squares overflow float32) and k at 2^-40 the output and gradients are
+    still the portable form's, within the log-space rounding of logits ~p log 2^30."""
+    _kernels_by_definition(monkeypatch)
+    forward, queries = attention_kernels.attention_fwd, []
+
+    def capture(q, *args, **kwargs):
+        jax.debug.callback(lambda x: queries.append(np.asarray(x)), q)
+        return forward(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "attention_fwd", capture)
+    config = AttentionConfig(p=2, algorithm="attention", backend="mosaic_gpu", interpret=True)
+    portable_config = dataclasses.replace(config, backend="pallas")
+    b, t, h, d = 1, 128, 2, 16
+    q, k, v, dy = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(4))
+    q, k = q * 2.0**70, k * 2.0**-40
+    log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(b, t, h))), jnp.float32)
+    got = out_and_vjp(lambda *x: hopper.attention_form(config, *x), (q, k, v, log_g), dy)
+    np.testing.assert_array_equal(queries[0][:, :t], q)  # rows padded to whole programs
+    want = out_and_vjp(lambda *x: portable_form.attention_form(portable_config, *x),
+                       (q, k, v, log_g), dy)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.all(np.isfinite(np.asarray(x)))
+        assert testing.rel_err(x, y) <= 1e-4, testing.rel_err(x, y)
+
+
 def test_the_token_layout_forms_dden_from_the_rounded_do(rng, monkeypatch):
     """The kernel's dw_ij = v_j . do_i + dden_i must cancel to (v_j - y_i) . do_i for the
     do it takes (rounded to q's dtype), so `normalized_in_tokens` forms dden = -(do . y)
