@@ -71,18 +71,26 @@ def combine(
     """Y = (o e^m + inter_o) / (den e^m + inter_den), evaluated against a shared max.
 
     (o, den) are scaled by exp(-m) (the intra-chunk row max); (inter_o, inter_den) are
-    unscaled. Both are brought to exp(-M) with M = max(m, log inter_den) so neither side
-    overflows; M cancels, so it carries no gradient. Rows with nothing to attend give 0.
+    unscaled. Both are brought to exp(-M) by `combine_weights`. Rows with nothing to attend
+    give 0.
     """
-    has_intra = den > 0
-    has_inter = inter_den > 0
+    w_intra, w_inter = combine_weights(den, m, inter_den)
+    num = o * w_intra[..., None] + inter_o * w_inter[..., None]
+    return safe_divide(num, den * w_intra + inter_den * w_inter)
+
+
+def combine_weights(den: Array, m: Array, inter_den: Array) -> tuple[Array, Array]:
+    """(w_intra, w_inter) = (e^(m - M), e^-M) of `combine`, M = max(m, log inter_den), so
+    neither side overflows; M cancels, so it carries no gradient. w_inter is 0 where
+    inter_den is (nothing from the state: e^-M overflows float32 for a row max m < -88,
+    every score below ~1e-19 at p = 2, and 0 * inf was NaN), w_intra where den is."""
+    has_intra, has_inter = den > 0, inter_den > 0
     log_inter = jnp.where(has_inter, jnp.log(jnp.where(has_inter, inter_den, 1.0)), -jnp.inf)
     shared = jnp.maximum(jnp.where(has_intra, m, -jnp.inf), log_inter)
     shared = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shared), shared, 0.0))
     w_intra = jnp.where(has_intra, jnp.exp(jnp.where(has_intra, m - shared, 0.0)), 0.0)
-    w_inter = jnp.exp(-shared)
-    num = o * w_intra[..., None] + inter_o * w_inter[..., None]
-    return safe_divide(num, den * w_intra + inter_den * w_inter)
+    w_inter = jnp.where(has_inter, jnp.exp(jnp.where(has_inter, -shared, 0.0)), 0.0)
+    return w_intra, w_inter
 
 
 def block_gate_sums(a: Float[Array, "... K"]) -> tuple[Array, Array]:

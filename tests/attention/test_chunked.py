@@ -14,6 +14,8 @@ import sympow
 from sympow.attention import reference, xla
 from sympow.attention.chunked import (
     chunked_attention,
+    combine,
+    combine_weights,
     gates_or_zeros,
     norm_bound,
     normalize_queries_and_keys,
@@ -134,3 +136,46 @@ def test_norm_bound_of_zeros_is_one():
     bound = norm_bound(jnp.zeros((2, 3, 4)), axis=(-1,))
     assert bound.shape == (2, 3, 1)
     np.testing.assert_array_equal(bound, 1.0)
+
+
+def test_combine_without_a_state_takes_a_row_max_below_float32s_exponent():
+    """A row max m < -88 (every score below ~1e-19 at p = 2) with nothing from the state:
+    e^-M overflowed float32 and 0 * inf made y NaN (the Pallas tier) or 0; now w_inter = 0
+    there and y = o / den."""
+    o = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
+    den, m = jnp.asarray([2.0, 4.0]), jnp.asarray([-100.0, -300.0])
+    zeros = jnp.zeros(2)
+    w_intra, w_inter = combine_weights(den, m, zeros)
+    np.testing.assert_array_equal(w_intra, 1.0)
+    np.testing.assert_array_equal(w_inter, 0.0)
+    np.testing.assert_allclose(combine(o, den, m, jnp.zeros_like(o), zeros), o / den[:, None])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_scores_below_1e_19_within_one_chunk(rng, impl):
+    """Every q . k ~ 1e-20 of |q| |k| (queries and keys on disjoint coordinates but one):
+    the intra-chunk attention is in log space and matches the specification, forward and
+    gradients, where the combine made NaN or zeros. (Across chunks the states hold
+    (q . k)^2 ~ 1e-40 on float32's linear scale, which underflows: docs/design.md §4.)"""
+    q = np.zeros((1, 40, 2, 16), np.float32)
+    k = np.zeros((1, 40, 2, 16), np.float32)
+    q[..., :8], k[..., 8:] = rng.normal(size=(1, 40, 2, 8)), rng.normal(size=(1, 40, 2, 8))
+    q[..., 8] = 1e-20 * rng.normal(size=(1, 40, 2))
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    v = jnp.asarray(rng.normal(size=(1, 40, 2, 8)), jnp.float32)
+    log_g = jnp.asarray(np.log(rng.uniform(0.8, 1.0, size=(1, 40, 2))), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(1, 40, 2, 8)), jnp.float32)
+
+    def loss(impl, q, k, v, log_g):
+        y = sympow.sympow_attention(q, k, v, log_g, p=2, impl=impl, algorithm=(
+            None if impl == "reference" else "chunked"), chunk_size=64)
+        return jnp.sum(y * cot), y
+
+    (_, y), grads = jax.value_and_grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3),
+                                       has_aux=True)(q, k, v, log_g)
+    (_, want), want_grads = jax.value_and_grad(functools.partial(loss, "reference"),
+                                               argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, log_g)
+    assert rel_err(y, want) < 1e-5
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert np.all(np.isfinite(np.asarray(got)))
+        assert rel_err(got, expected) < 1e-4

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sympow.attention.chunked import combine_weights
 from sympow.attention.pallas.launch import dot, idiv, irem, launch, split_heads
 from sympow.attention.pallas.phi import (
     expand_factors_t,
@@ -152,15 +153,10 @@ def _tile_loop(plan: Plan, blocks_ref, weights_ref, x_ref, scale, body, init, sp
 def combine_rows(o, den, m, inter_o, inter_den):
     """`chunked.combine` as row scales: y = o ci + inter_o ce, with (y, ci, ce).
 
-    ci = w_intra / total, ce = w_inter / total (0 where the total is 0), the same shared
-    max as combine, so the backward needs only ci and ce.
+    ci = w_intra / total, ce = w_inter / total (0 where the total is 0), the weights of
+    combine (`chunked.combine_weights`), so the backward needs only ci and ce.
     """
-    has_intra, has_inter = den > 0, inter_den > 0
-    log_inter = jnp.where(has_inter, jnp.log(jnp.where(has_inter, inter_den, 1.0)), -jnp.inf)
-    shared = jnp.maximum(jnp.where(has_intra, m, -jnp.inf), log_inter)
-    shared = jnp.where(shared == -jnp.inf, 0.0, shared)
-    w_intra = jnp.where(has_intra, jnp.exp(jnp.where(has_intra, m - shared, 0.0)), 0.0)
-    w_inter = jnp.exp(-shared)
+    w_intra, w_inter = combine_weights(den, m, inter_den)
     total = den * w_intra + inter_den * w_inter
     inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     ci, ce = w_intra * inv, w_inter * inv
