@@ -12,8 +12,8 @@ whatever p and the norms (docs/design.md §4). The backward recomputes both. The
 are invariant to the scales of q and k, but a logit carries a rounding of ulp(p log|s|):
 ~1e-7 of a weight at |s| <= 1, ~1e-5 at |s| ~ 1e30. So float32 runs, as the chunked driver,
 on q and k divided by powers of two (|Q_i . K_j| <= 1); the Hopper tier's bf16 kernels take
-them as given (a rounding far below bf16's at any scale, and those three passes over q, k
-and dk were ~5 % of the form's time: docs/kernels.md), with the specification's domain:
+them as given (a rounding far below bf16's at any scale; the divisions of q, k and dk and
+the two norms were ~5 % of the form's time: docs/kernels.md), with the specification's domain:
 each Q_i . K_j finite in float32.
 
 Shapes the kernels do not take run padded: T to a power of two >= 16 (zero rows: zero keys
@@ -71,8 +71,8 @@ def attention_form(config: AttentionConfig, q: Queries, k: Keys, v: Values,
         _log_fallback(plan)
         return blocked_attention(q, k, v, log_g, p=config.p, block=default_block_size(t))
     token_primitive = in_tokens and in_tokens(plan)
-    if not token_primitive:  # q and k as given in token layout (see the module docstring)
-        q, k, _ = normalize_queries_and_keys(q, k)  # |Q_i . K_j| <= 1
+    if not token_primitive:  # chunk layout (float32 too): |Q_i . K_j| <= 1, module docstring
+        q, k, _ = normalize_queries_and_keys(q, k)
     ct = compute_dtype(q, k, v)
     log_g = gates_or_zeros(log_g, k, ct)
     a = to_chunks(log_g, 1, plan.c)  # [B, Hk, 1, C]; padded gates 0: no real decay changes
