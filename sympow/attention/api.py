@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.attention import implementations
+from sympow.attention.chunked import norm_bound
 from sympow.attention.config import AttentionConfig
 from sympow.attention.pallas import decode_kernel
 from sympow.attention.reference import (
@@ -246,6 +247,8 @@ def decode_step(
     (`reference.recurrent_step`, jnp operations), or None: 'pallas' on a GPU (checked there
     against the reference, fp32 and bf16, and 2.4x faster at B = 16 on an H100:
     docs/benchmarks.md), 'reference' elsewhere (the interpreter is slow on a CPU).
+    q may have any scale (the readout is invariant to it; q is divided by a power of two
+    >= its norm before phi(q), so |q|^p stays inside float32).
     Returns (new state, y [B, Hq, E] in v's dtype).
     """
     validate_inputs(q[:, None], k[:, None], v[:, None],
@@ -264,6 +267,10 @@ def decode_step(
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _decode_step(p, impl, interpret, state, q, k, v, log_g):
+    # the readout phi(q)^T S / phi(q)^T Z is invariant to q's scale: q over a power of two
+    # >= |q| (exact) keeps |q|^p inside float32, past which the row was inf / inf or 0 / 0
+    ct = state.s.dtype
+    q = q.astype(ct) / norm_bound(q.astype(ct), axis=(-1,))
     if impl == "pallas":
         return decode_kernel.decode_step(state, q, k, v, log_g, p, interpret=interpret)
     return recurrent_step(state, q, k, v, log_g, p)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import sympow
+from sympow.attention import reference
 from sympow.attention.testing import attention_inputs, rel_err
 
 
@@ -104,3 +105,21 @@ def test_decode_step_validates_state(rng):
     _, state = sympow.prefill(q, k, v, log_g, p=2)
     with pytest.raises(ValueError, match=r"state.s must be \[B, Hk, F, E\]"):
         sympow.decode_step(state, q[:, 0], k[:, 0], v[:, 0, :, :3], log_g[:, 0], p=2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize(("p", "log2_scale"), [(2, 70), (2, -75), (4, 35), (4, -38)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_step_takes_queries_at_any_scale(rng, impl, p, log2_scale, dtype):
+    """The readout phi(q)^T S / phi(q)^T Z is invariant to q's scale, so q x 2^n gives the
+    unscaled q's row though |q|^p is past float32 (overflow: inf / inf; underflow: 0 / 0)."""
+    q, k, v, log_g = attention_inputs(rng, b=2, t=5, hq=4, hk=2, d=8, e=16, dtype=dtype)
+    _, state = sympow.prefill(q[:, :4], k[:, :4], v[:, :4], log_g[:, :4], p=p, impl="xla",
+                              chunk_size=2)
+    args = (k[:, 4], v[:, 4], log_g[:, 4])
+    _, expected = reference.recurrent_step(state, q[:, 4], *args, p)
+    scaled = (q[:, 4].astype(jnp.float32) * 2.0 ** log2_scale).astype(dtype)  # exact
+    _, y = sympow.decode_step(state, scaled, *args, p=p, impl=impl)
+    assert jnp.all(jnp.isfinite(y.astype(jnp.float32)))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # y leaves in v's dtype
+    assert rel_err(y, expected) < tol
