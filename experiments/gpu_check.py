@@ -218,6 +218,36 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
                     err = float(np.max(np.abs(a - c) / bound))
                 rows.append((name + suffix, err, f"tol {tol:g}",
                              bool(np.all(np.isfinite(a))) and err <= tol))
+    # q (x, biased) and k [B, T, Hk, D] (unbiased) rotated together, several kv heads a
+    # program (outputs ending in _t): against the specification array by array
+    k = jnp.asarray(rng.standard_normal((b, t, hk, d)), dtype)
+    dk = jnp.asarray(rng.standard_normal((b, t, hk, d)), dtype)
+    kv_heads = max(n for n in (1, 2, 3, 4) if hk % n == 0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run_together(fn, xs, mu, dys, biases):
+        ys, vjp = jax.vjp(fn, xs, mu, biases)
+        return (ys, *vjp(dys))
+
+    def separately(xs, mu, biases):
+        return tuple(rotary_kernel.rotate_reference(x, mu, base=65536.0, bias=bias)
+                     for x, bias in zip(xs, biases, strict=True))
+
+    want = run_together(separately, (x, k), mu, (dy, dk), (bias, None))
+    for layout in rotary_kernel.LAYOUTS:
+        got = run_together(functools.partial(
+            lambda xs, mu, biases, layout: rotary_kernel.rotate_together(
+                xs, mu, base=65536.0, biases=biases, layout=layout, kv_heads=kv_heads),
+            layout=layout), (x, k), mu, (dy, dk), (bias, None))
+        pairs = [("y", got[0][0], want[0][0], tols[0]), ("yk", got[0][1], want[0][1], tols[0]),
+                 ("dx", got[1][0], want[1][0], tols[1]), ("dk", got[1][1], want[1][1], tols[1]),
+                 ("dmu", got[2], want[2], tols[2])]
+        for name, a, c, tol in pairs:
+            a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+            err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+            rows.append((name + "_h" * (layout == "heads") + "_t", err,
+                         f"tol {tol:g}, kv_heads {kv_heads}",
+                         bool(np.all(np.isfinite(a))) and err <= tol))
     return rows
 
 

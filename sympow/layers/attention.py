@@ -203,9 +203,9 @@ class Rotary(nnx.Module):
             beta = 1.0 + jnp.tanh(beta_logits)  # [B, T, Hk]
             _, mu = learned_rotary_angles(beta, theta, mu0)  # mu [B, T, Hk]; rotate turns it
             if self._kernel_rotates(q, k, mu):
-                rotate = functools.partial(rotary_kernel.rotate, base=self.base, layout=layout)
-                q_bias, k_bias = (None, None) if biases is None else biases
-                return rotate(q, mu, bias=q_bias), rotate(k, mu, bias=k_bias), mu[:, -1]
+                q, k = rotary_kernel.rotate_together((q, k), mu, base=self.base,
+                                                     biases=biases, layout=layout)
+                return q, k, mu[:, -1]
         if biases is not None:
             q, k = (x + bias.astype(x.dtype) for x, bias in zip((q, k), biases, strict=True))
         if self.kind == "none":

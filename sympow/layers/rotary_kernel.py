@@ -41,6 +41,7 @@ kernels lower through Triton; elsewhere they run in the Pallas interpreter (CPU 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -50,13 +51,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from sympow.attention.pallas.launch import LaunchPlan, idiv, launch
+from sympow.attention.pallas.launch import LaunchPlan, launch
 from sympow.rotary import _reduced_angles, apply_rotary, rotary_rates
 
-__all__ = ["BLOCK_ROWS", "LAYOUTS", "rotate", "rotate_reference", "unsupported"]
+__all__ = ["BLOCK_ROWS", "KV_HEADS", "LAYOUTS", "rotate", "rotate_reference",
+           "rotate_together", "unsupported"]
 
 F32 = jnp.float32
-BLOCK_ROWS = 64  # rows of one head a program rotates (H200 sweep: docs/kernels.md)
+BLOCK_ROWS = 64  # rows of one head a program rotates at a time (H200 sweep: docs/kernels.md)
+KV_HEADS = 1  # at most this many kv heads a program (their angles made once for all arrays)
 WARPS = 8
 STAGES = 2  # Triton's pipelining depth
 
@@ -93,7 +96,8 @@ LAYOUTS = ("tokens", "heads")
 
 def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: float,
            bias: Float[Array, "H D"] | None = None, interpret: bool | None = None,
-           block_rows: int = BLOCK_ROWS, layout: str = "tokens") -> Float[Array, "B T H D"]:
+           block_rows: int = BLOCK_ROWS, layout: str = "tokens",
+           kv_heads: int | None = None) -> Float[Array, "B T H D"]:
     """x (+ bias) with pair (2j, 2j+1) of head n rotated by mu[..., n // (H / Hk)] theta_j,
     theta = `rotary_rates(D, base)`; x's dtype (rotated in float32). Differentiable in x,
     mu and bias.
@@ -102,48 +106,98 @@ def rotate(x: Float[Array, "B T H D"], mu: Float[Array, "B T Hk"], *, base: floa
     float32), H a multiple of Hk; bias: None or [H, D], any float dtype (added in float32
     as the rows load; its cotangent, the sum of dx over rows, in its dtype). interpret:
     None = the Pallas interpreter unless the default backend is a GPU. block_rows: rows of
-    one head a program rotates (a power of two >= 16). layout: how the rotated array lies
-    in memory, and how the backward reads its cotangent: 'tokens' ([B, T, H, D], as x) or
-    'heads' ([B, H, T, D], returned through a transpose to [B, T, H, D]): the chunked
-    algorithm's chunk layout after a free reshape, so that XLA need not copy the result
-    there (it folds the transpose into the consumer). The same numbers either way.
+    one head a program rotates at a time (a power of two >= 16). layout: how the rotated
+    array lies in memory, and how the backward reads its cotangent: 'tokens' ([B, T, H, D],
+    as x) or 'heads' ([B, H, T, D], returned through a transpose to [B, T, H, D]): the
+    chunked algorithm's chunk layout after a free reshape, so that XLA need not copy the
+    result there (it folds the transpose into the consumer). The same numbers either way.
+    kv_heads: kv heads a program takes (a divisor of Hk; None: the largest <= KV_HEADS).
     ValueError for shapes `unsupported` names, and for a bias not [H, D].
+    """
+    return rotate_together((x,), mu, base=base, biases=None if bias is None else (bias,),
+                           interpret=interpret, block_rows=block_rows, layout=layout,
+                           kv_heads=kv_heads)[0]
+
+
+def rotate_together(xs: tuple[Float[Array, "B T H D"], ...], mu: Float[Array, "B T Hk"], *,
+                    base: float, biases: tuple[Float[Array, "H D"] | None, ...] | None = None,
+                    interpret: bool | None = None, block_rows: int = BLOCK_ROWS,
+                    layout: str = "tokens", kv_heads: int | None = None
+                    ) -> tuple[Float[Array, "B T H D"], ...]:
+    """`rotate` of every array of xs by the one mu (a layer's q and k), in one kernel each
+    way: a program makes the angles of a block of rows of its kv heads once and rotates
+    each array's heads of those kv heads with them; the backward sums mu's cotangent over
+    all of them in the kernel. xs: arrays [B, T, H_a, D] of one dtype and D, each H_a a
+    multiple of Hk; biases: None or one entry per array (None or [H_a, D]). Returns the
+    rotated arrays in order; the other arguments as `rotate`'s.
     """
     if block_rows < 16 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block_rows}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got layout={layout!r}")
-    reason = unsupported(x, mu)
-    if reason is not None:
-        raise ValueError(f"rotate: {reason}")
-    if bias is not None and (getattr(bias, "shape", None) != x.shape[2:]
-                             or not jnp.issubdtype(bias.dtype, jnp.floating)):
-        raise ValueError(f"rotate: bias must be a float [H, D] = {list(x.shape[2:])} array, "
-                         f"got {getattr(bias, 'dtype', type(bias))} {getattr(bias, 'shape', '')}")
+    xs = tuple(xs)
+    if not xs:
+        raise ValueError("rotate_together: xs must hold at least one array")
+    for x in xs:
+        reason = unsupported(x, mu)
+        if reason is not None:
+            raise ValueError(f"rotate: {reason}")
+    if len({(x.dtype, x.shape[3]) for x in xs}) > 1:
+        raise ValueError("rotate_together: xs must share dtype and D, got "
+                         f"{[(str(x.dtype), x.shape) for x in xs]}")
+    biases = (None,) * len(xs) if biases is None else tuple(biases)
+    if len(biases) != len(xs):
+        raise ValueError(f"biases must have one entry per array of xs ({len(xs)}), "
+                         f"got {len(biases)}")
+    for x, bias in zip(xs, biases, strict=True):
+        if bias is not None and (getattr(bias, "shape", None) != x.shape[2:]
+                                 or not jnp.issubdtype(bias.dtype, jnp.floating)):
+            raise ValueError(
+                f"rotate: bias must be a float [H, D] = {list(x.shape[2:])} array, got "
+                f"{getattr(bias, 'dtype', type(bias))} {getattr(bias, 'shape', '')}")
+    hk = mu.shape[2]
+    if kv_heads is None:
+        kv_heads = max(n for n in range(1, min(KV_HEADS, hk) + 1) if hk % n == 0)
+    if kv_heads < 1 or hk % kv_heads:
+        raise ValueError(f"kv_heads must divide mu's Hk={hk}, got kv_heads={kv_heads}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    setup = (float(base), bool(interpret), int(block_rows), layout == "heads")
-    return _rotate(setup, x, mu.astype(F32), bias)
+    setup = _Setup(float(base), bool(interpret), int(block_rows), layout == "heads",
+                   int(kv_heads))
+    return _rotate(setup, xs, mu.astype(F32), biases)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """The static arguments of a rotation: how the kernels run, not what they compute."""
+
+    base: float
+    interpret: bool
+    block_rows: int
+    heads_major: bool  # x' and dy [B, H, T, D]
+    kv_heads: int  # a program's
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rotate(setup, x, mu, bias):
-    return _call(setup, "forward", x, mu, bias=bias)[0]
+def _rotate(setup, xs, mu, biases):
+    return tuple(_call(setup, "forward", xs, mu, biases=biases))
 
 
-def _rotate_fwd(setup, x, mu, bias):
-    return _rotate(setup, x, mu, bias), (x, mu, bias)
+def _rotate_fwd(setup, xs, mu, biases):
+    return _rotate(setup, xs, mu, biases), (xs, mu, biases)
 
 
-def _rotate_bwd(setup, res, dy):
-    x, mu, bias = res
-    dx, dmu = _call(setup, "backward", x, mu, dy.astype(x.dtype), bias=bias)
-    b, t, h, _ = x.shape
-    dmu = dmu.reshape(b, t, mu.shape[2], -1).sum(axis=-1)  # summed over a kv head's group
-    if bias is None:
-        return dx, dmu, None
-    dbias = jnp.sum(dx.astype(F32), axis=(0, 1))  # [H, D]: d(x + b) summed over rows
-    return dx, dmu, dbias.astype(bias.dtype)
+def _rotate_bwd(setup, res, dys):
+    xs, mu, biases = res
+    *dxs, dmu = _call(setup, "backward", xs, mu,
+                      tuple(dy.astype(x.dtype) for dy, x in zip(dys, xs, strict=True)),
+                      biases=biases)
+    # d(x + b) summed over rows: XLA's reduction of dx (in the kernel it cost more than it
+    # saved: docs/kernels.md)
+    dbiases = tuple(None if bias is None
+                    else jnp.sum(dx.astype(F32), axis=(0, 1)).astype(bias.dtype)
+                    for dx, bias in zip(dxs, biases, strict=True))
+    return tuple(dxs), dmu, dbiases
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
@@ -163,56 +217,67 @@ def _swap(d: int) -> np.ndarray:
     return (lanes[:, None] == (lanes ^ 1)[None, :]).astype(np.float32)
 
 
-def _call(setup: tuple[float, bool, int, bool], direction: str, x, mu, dy=None, bias=None):
-    """Launch the forward ((x',)) or backward ((dx, dmu per head of x)) kernel over a grid
-    (B, row blocks, H), x shifted by bias [H, D] if given; setup = (base, interpret,
-    block_rows, heads: x' and dy head-major). x, x' and dy are [B, T, H, D] to the caller;
-    T is padded to whole blocks."""
-    base, interpret, bt, heads = setup
-    b, t, h, d = x.shape
+def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[Array]:
+    """Launch the forward ([x'_a]) or backward ([dx_a..., dmu]) kernel over a grid
+    (B, row blocks, Hk / kv_heads), each x_a shifted by its bias [H_a, D] if given. x, x'
+    and dy are [B, T, H_a, D] to the caller; T is padded to whole blocks."""
+    bt, kb = setup.block_rows, setup.kv_heads
+    b, t, _, d = xs[0].shape
     hk = mu.shape[2]
     padded = -(-t // bt) * bt
 
     def pad(a, axis=1):  # T (at axis) padded to whole blocks
         return jnp.pad(a, [(0, padded - t) if i == axis else (0, 0) for i in range(a.ndim)])
 
-    turns, theta = _rates(d, base)
-    group = h // hk
-    in_tokens = pl.BlockSpec((None, bt, None, d), lambda j, i, n: (j, i, n, 0))
-    in_heads = pl.BlockSpec((None, None, bt, d), lambda j, i, n: (j, n, i, 0))
-    per_row = pl.BlockSpec((None, bt, None), lambda j, i, n: (j, i, idiv(n, group)))
+    def rows(heads):  # a block of rows of a program's heads: token-major, head-major
+        return (pl.BlockSpec((None, bt, heads, d), lambda j, i, n: (j, i, n, 0)),
+                pl.BlockSpec((None, heads, bt, d), lambda j, i, n: (j, n, i, 0)))
+
+    groups = tuple(x.shape[2] // hk for x in xs)
+    blocks = [rows(kb * group) for group in groups]  # (tokens, heads) per array
+    turns, theta = _rates(d, setup.base)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j, i, n: (0, 0))  # noqa: E731
-    swap = jnp.asarray(_swap(d), x.dtype)  # 0/1: exact in either dtype
-    in_specs = [in_tokens, per_row, whole(turns), whole(theta), whole(swap)]
-    args = [pad(x), pad(mu), turns, theta, swap]
-    if bias is not None:  # b (and for the forward swap(b)), one row per head of x
-        per_head = pl.BlockSpec((None, d), lambda j, i, n: (n, 0))
+    swap = jnp.asarray(_swap(d), xs[0].dtype)  # 0/1: exact in either dtype
+    in_specs = [tokens for tokens, _ in blocks]
+    args = [pad(x) for x in xs]
+    in_specs += [pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)), whole(turns),
+                 whole(theta), whole(swap)]
+    args += [pad(mu), turns, theta, swap]
+    shifted = tuple(bias is not None for bias in biases)
+    for group, bias in zip(groups, biases, strict=True):  # b (forward: and swap(b)) per head
+        if bias is None:
+            continue
+        per_head = pl.BlockSpec((kb * group, d), lambda j, i, n: (n, 0))
         shift = bias.astype(F32)
         in_specs.append(per_head)
         args.append(shift)
         if direction == "forward":
             in_specs.append(per_head)
-            args.append(shift.reshape(h, d // 2, 2)[..., ::-1].reshape(h, d))
-    tokens_shape = jax.ShapeDtypeStruct((b, padded, h, d), x.dtype)
-    heads_shape = jax.ShapeDtypeStruct((b, h, padded, d), x.dtype)
+            args.append(shift.reshape(-1, d // 2, 2)[..., ::-1].reshape(shift.shape))
+    major = 1 if setup.heads_major else 0
     if direction == "forward":
-        out_specs = [in_heads if heads else in_tokens]
-        out_shape = [heads_shape if heads else tokens_shape]
+        out_specs = [block[major] for block in blocks]
+        out_shape = [jax.ShapeDtypeStruct((b, x.shape[2], padded, d) if major
+                                          else (b, padded, x.shape[2], d), x.dtype) for x in xs]
         kernel = _forward_kernel
     else:
-        dy = jnp.swapaxes(dy, 1, 2) if heads else dy  # XLA writes it head-major
-        in_specs = [in_heads if heads else in_tokens, *in_specs]
-        args = [pad(dy, axis=2 if heads else 1), *args]
-        out_specs = [in_tokens, pl.BlockSpec((None, bt, None), lambda j, i, n: (j, i, n))]
-        out_shape = [tokens_shape, jax.ShapeDtypeStruct((b, padded, h), F32)]
+        # XLA writes each dy head-major for 'heads'
+        dys = [pad(jnp.swapaxes(dy, 1, 2), axis=2) if major else pad(dy) for dy in dys]
+        in_specs = [block[major] for block in blocks] + in_specs
+        args = dys + args
+        out_specs = [tokens for tokens, _ in blocks]
+        out_specs.append(pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)))
+        out_shape = [jax.ShapeDtypeStruct((b, padded, *x.shape[2:]), x.dtype) for x in xs]
+        out_shape.append(jax.ShapeDtypeStruct((b, padded, hk), F32))
         kernel = _backward_kernel
-    kernel = functools.partial(kernel, approx=not interpret, shifted=bias is not None)
-    outs = launch(kernel, plan=LaunchPlan(interpret, STAGES),
-                  name=f"sympow_rotary_{direction}", grid=(b, padded // bt, h),
+    kernel = functools.partial(kernel, groups=groups, kv_heads=kb, shifted=shifted,
+                               heads_major=setup.heads_major, approx=not setup.interpret)
+    outs = launch(kernel, plan=LaunchPlan(setup.interpret, STAGES),
+                  name=f"sympow_rotary_{direction}", grid=(b, padded // bt, hk // kb),
                   in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                   warps=WARPS)(*args)
-    if direction == "forward" and heads:
-        return [jnp.swapaxes(outs[0][:, :, :t], 1, 2)]
+    if direction == "forward" and setup.heads_major:
+        return [jnp.swapaxes(out[:, :, :t], 1, 2) for out in outs]
     return [out[:, :t] for out in outs]
 
 
@@ -247,31 +312,67 @@ def _swapped(x, swap):
     return jax.lax.dot(x, swap, precision=precision, preferred_element_type=F32)
 
 
-def _forward_kernel(x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx, shifted):
-    del theta_ref  # the backward's
-    x = x_ref[...]  # [bt, D]
-    x32, swapped = x.astype(F32), _swapped(x, swap_ref[...])
-    if shifted:  # x + b and swap(x) + swap(b)
-        bias_ref, swapped_bias_ref, out_ref = refs
-        x32, swapped = x32 + bias_ref[...][None], swapped + swapped_bias_ref[...][None]
-    else:
-        (out_ref,) = refs
-    cos, signed_sin, _ = _angles(mu_ref[...], turns_ref[...], approx)
-    out_ref[...] = (x32 * cos + swapped * signed_sin).astype(out_ref.dtype)
+def _heads(groups, kv_head: int):
+    """(array, head) of every head of x a program's kv head `kv_head` turns, in order."""
+    return [(a, kv_head * group + m) for a, group in enumerate(groups) for m in range(group)]
 
 
-def _backward_kernel(dy_ref, x_ref, mu_ref, turns_ref, theta_ref, swap_ref, *refs, approx,
-                     shifted):
-    *bias_ref, dx_ref, dmu_ref = refs  # the bias if shifted
-    cos, signed_sin, first = _angles(mu_ref[...], turns_ref[...], approx)
-    dy = dy_ref[...]  # [bt, D]
-    dy32, swapped_dy = dy.astype(F32), _swapped(dy, swap_ref[...])
-    dx_ref[...] = (dy32 * cos - swapped_dy * signed_sin).astype(dx_ref.dtype)
-    x = x_ref[...].astype(F32)
-    if shifted:
-        x = x + bias_ref[0][...][None]
-    # dmu = sum theta dy . d x'/d angle with d x'/d angle = sigma (cos swap(x) - sin~ x),
-    # sigma = (-1, +1) on a pair's lanes; dy . sigma swap(x) = -sigma swap(dy) . x per pair
-    sigma_x = jnp.where(first, -x, x)
-    along = cos * swapped_dy + signed_sin * dy32
-    dmu_ref[...] = -jnp.sum(sigma_x * along * theta_ref[...], axis=1)
+def _row_block(head: int, heads_major: bool):
+    """The indexer of one head's rows [bt, D] in a block of several heads' rows."""
+    return (head, slice(None), slice(None)) if heads_major else (slice(None), head, slice(None))
+
+
+def _take_biases(refs, shifted, per: int):
+    """The first `per` refs per shifted array (None for the others), and the refs left."""
+    taken, at = [], 0
+    for has in shifted:
+        taken.append(refs[at:at + per] if has else None)
+        at += per if has else 0
+    return taken, refs[at:]
+
+
+def _forward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
+    n = len(groups)
+    x_refs, (mu_ref, turns_ref, _, swap_ref) = refs[:n], refs[n:n + 4]
+    bias_refs, out_refs = _take_biases(refs[n + 4:], shifted, per=2)  # b and swap(b)
+    swap, turns = swap_ref[...], turns_ref[...]
+    for j in range(kv_heads):
+        cos, signed_sin, _ = _angles(mu_ref[:, j], turns, approx)  # once for all heads
+        for a, head in _heads(groups, j):
+            x = x_refs[a][:, head, :]  # [bt, D]
+            x32, swapped = x.astype(F32), _swapped(x, swap)
+            if shifted[a]:  # x + b and swap(x) + swap(b)
+                bias_ref, swapped_bias_ref = bias_refs[a]
+                x32 = x32 + bias_ref[head, :][None]
+                swapped = swapped + swapped_bias_ref[head, :][None]
+            out_ref = out_refs[a]
+            out_ref[_row_block(head, heads_major)] = (
+                x32 * cos + swapped * signed_sin).astype(out_ref.dtype)
+
+
+def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
+    n = len(groups)
+    dy_refs, x_refs = refs[:n], refs[n:2 * n]
+    mu_ref, turns_ref, theta_ref, swap_ref = refs[2 * n:2 * n + 4]
+    bias_refs, out_refs = _take_biases(refs[2 * n + 4:], shifted, per=1)
+    *dx_refs, dmu_ref = out_refs
+    swap, turns, theta = swap_ref[...], turns_ref[...], theta_ref[...]
+    for j in range(kv_heads):
+        cos, signed_sin, first = _angles(mu_ref[:, j], turns, approx)
+        dmu = None
+        for a, head in _heads(groups, j):
+            dy = dy_refs[a][_row_block(head, heads_major)]  # [bt, D]
+            dy32, swapped_dy = dy.astype(F32), _swapped(dy, swap)
+            dx_ref = dx_refs[a]
+            dx_ref[:, head, :] = (dy32 * cos - swapped_dy * signed_sin).astype(dx_ref.dtype)
+            x = x_refs[a][:, head, :].astype(F32)
+            if shifted[a]:
+                x = x + bias_refs[a][0][head, :][None]
+            # dmu = sum theta dy . d x'/d angle with d x'/d angle = sigma (cos swap(x) -
+            # sin~ x), sigma = (-1, +1) on a pair's lanes; dy . sigma swap(x) =
+            # -sigma swap(dy) . x per pair
+            sigma_x = jnp.where(first, -x, x)
+            along = cos * swapped_dy + signed_sin * dy32
+            head_dmu = -jnp.sum(sigma_x * along * theta, axis=1)  # [bt]
+            dmu = head_dmu if dmu is None else dmu + head_dmu
+        dmu_ref[:, j] = dmu

@@ -70,6 +70,94 @@ def test_matches_the_specification(rng, dtype, shape, layout, biased):
         assert np.all(np.abs(np.asarray(got[3] - want[3])) <= bound)
 
 
+def _together_and_cotangents(fn, xs, mu, dys, biases):
+    """(rotated xs, their cotangents, mu's, the biases') of fn(xs, mu, biases)."""
+    outs, vjp = jax.vjp(lambda xs, mu, biases: fn(xs, mu, biases), xs, mu, biases)
+    return outs, *vjp(tuple(dys))
+
+
+def _separately(xs, mu, biases):
+    return tuple(rotate_reference(x, mu, base=BASE, bias=bias)
+                 for x, bias in zip(xs, biases, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("heads", "hk", "kv_heads"), [
+    ((4, 2), 2, 2),      # q [.., 4, D] of kv heads 2 (groups of 2), k [.., 2, D]: one program
+    ((6, 3), 3, 1),      # three programs across the heads, one kv head each
+    ((3, 3, 6), 3, 3),   # three arrays, one of them grouped
+])
+def test_rotate_together_matches_the_specification_array_by_array(rng, dtype, heads, hk,
+                                                                  kv_heads, layout):
+    """Arrays sharing mu (q and k) rotated in one kernel each way, a program taking
+    kv_heads kv heads of every array: each output and each cotangent against the
+    specification array by array (mu's cotangent summed over the arrays, as autodiff of
+    the separate rotations sums it), 37 tokens (not a multiple of the 16-row block), the
+    first array shifted by a bias and the others not."""
+    b, t, d = 2, 37, 16
+    xs, dys = [], []
+    for h in heads:
+        x, mu, dy = _inputs(rng, b, t, h, hk, d, dtype)
+        xs.append(x)
+        dys.append(dy)
+    biases = (jnp.asarray(rng.standard_normal((heads[0], d)), jnp.float32),
+              *(None,) * (len(heads) - 1))
+    got = _together_and_cotangents(
+        lambda xs, mu, biases: rotary_kernel.rotate_together(
+            xs, mu, base=BASE, biases=biases, block_rows=16, layout=layout,
+            kv_heads=kv_heads), tuple(xs), mu, dys, biases)
+    want = _together_and_cotangents(_separately, tuple(xs), mu, dys, biases)
+    tol = 1e-6 if dtype == "float32" else 2e-3  # the same float32 arithmetic, rounded once
+    for name, a, c in [*zip(("y", "dx"), (got[0], got[1]), (want[0], want[1]), strict=True)]:
+        for i, (u, v) in enumerate(zip(a, c, strict=True)):
+            assert u.dtype == jnp.dtype(dtype) and u.shape == v.shape
+            assert rel_err(u, v) <= tol, (name, i, rel_err(u, v))
+    assert got[2].shape == mu.shape and rel_err(got[2], want[2]) <= 1e-5  # dmu
+    assert got[3][1:] == (None,) * (len(heads) - 1)
+    assert rel_err(got[3][0], jnp.sum(got[1][0].astype(jnp.float32), axis=(0, 1))) <= 1e-6
+
+
+def test_rotate_together_is_one_kernel_each_way_over_kv_head_blocks(rng):
+    """q [.., 4, D] and k [.., 2, D] in one forward and one backward kernel; kv_heads=2
+    puts both kv heads in a program (grid (B, row blocks, 1)), and the block of kv heads
+    is a schedule: kv_heads 1 and 2 give identical bits (rows and heads are independent;
+    mu's cotangent sums the heads of a kv head in the same order either way)."""
+    x, mu, dy = _inputs(rng, 2, 40, 4, 2, 16, "bfloat16")
+    k, _, dk = _inputs(rng, 2, 40, 2, 2, 16, "bfloat16")
+
+    def run(kv_heads):
+        return _together_and_cotangents(
+            lambda xs, mu, biases: rotary_kernel.rotate_together(
+                xs, mu, base=BASE, block_rows=16, kv_heads=kv_heads), (x, k), mu, (dy, dk),
+            (None, None))
+
+    calls = pallas_calls(lambda x, k, mu: jax.vjp(
+        lambda x, k: rotary_kernel.rotate_together((x, k), mu, base=BASE, block_rows=16,
+                                                   kv_heads=2), x, k)[1]((x, k)), x, k, mu)
+    assert [call.params["grid_mapping"].grid for call in calls] == [(2, 3, 1), (2, 3, 1)]
+    assert [tuple(v.aval.shape) for v in calls[1].outvars] == [
+        (2, 48, 4, 16), (2, 48, 2, 16), (2, 48, 2)]  # dq, dk, dmu per kv head
+    for u, v in zip(jax.tree.leaves(run(1)), jax.tree.leaves(run(2)), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_rotate_together_refuses_what_it_cannot_take():
+    x, mu = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2))
+    with pytest.raises(ValueError, match="kv_heads must divide mu's Hk=2, got kv_heads=3"):
+        rotary_kernel.rotate_together((x,), mu, base=BASE, kv_heads=3)
+    with pytest.raises(ValueError, match="xs must share dtype and D"):
+        rotary_kernel.rotate_together((x, x.astype(jnp.bfloat16)), mu, base=BASE)
+    with pytest.raises(ValueError, match="xs must share dtype and D"):
+        rotary_kernel.rotate_together((x, jnp.zeros((1, 8, 2, 32))), mu, base=BASE)
+    with pytest.raises(ValueError, match=r"biases must have one entry per array of xs \(2\)"):
+        rotary_kernel.rotate_together((x, x), mu, base=BASE, biases=(None,))
+    with pytest.raises(ValueError, match="xs must hold at least one array"):
+        rotary_kernel.rotate_together((), mu, base=BASE)
+    with pytest.raises(ValueError, match="H=3 heads"):
+        rotary_kernel.rotate_together((x, jnp.zeros((1, 8, 3, 16))), mu, base=BASE)
+
+
 def test_rotates_each_query_head_by_its_kv_heads_mu(rng):
     """Query head n turns by mu[..., n // (H / Hk)]: with mu of head 1 zero, heads 2 and 3
     are unchanged and heads 0 and 1 are not."""
@@ -172,6 +260,24 @@ def test_lowers_for_cuda_through_triton():
     assert "sympow_rotary_forward" in text and "sympow_rotary_backward" in text
 
 
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+def test_rotate_together_lowers_for_cuda_through_triton(layout):
+    """GPT-2 small's q and k with biases, 4 kv heads a program: the heads' rows loaded and
+    stored one head at a time from blocks of several heads, in either layout."""
+    q = jnp.zeros((1, 4096, 12, 64), jnp.bfloat16)
+    mu = jnp.zeros((1, 4096, 12), jnp.float32)
+    bias = jnp.zeros((12, 64), jnp.float32)
+
+    def step(q, k, mu):
+        ys, vjp = jax.vjp(lambda q, k, mu, biases: rotary_kernel.rotate_together(
+            (q, k), mu, base=BASE, biases=biases, interpret=False, kv_heads=4,
+            layout=layout), q, k, mu, (bias, bias))
+        return vjp(ys)
+
+    text = jax.jit(step).trace(q, q, mu).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sympow_rotary_forward" in text and "sympow_rotary_backward" in text
+
+
 def _rotary(impl):
     return Rotary(32, 2, 16, "learned", impl=impl, rngs=nnx.Rngs(0))
 
@@ -269,8 +375,9 @@ def test_the_xla_path_adds_the_biases_as_the_projections_did(rng, dtype):
 
 
 def test_the_layer_picks_xla_off_a_gpu_and_for_a_few_tokens(monkeypatch):
-    """impl=None: the kernels on a GPU for at least BLOCK_ROWS tokens (training, prefill),
-    XLA for decoding's few and on a CPU; 'pallas' with a shape it cannot take: ValueError."""
+    """impl=None: the kernels on a GPU for at least BLOCK_ROWS tokens (training, prefill;
+    q and k in one), XLA for decoding's few and on a CPU; 'pallas' with a shape it cannot
+    take: ValueError."""
     x = jnp.zeros((1, 64, 32))
     q, k = jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 2, 16))
 
@@ -280,7 +387,7 @@ def test_the_layer_picks_xla_off_a_gpu_and_for_a_few_tokens(monkeypatch):
     assert kernels(_rotary(None), 64) == []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(rotary_kernel, "BLOCK_ROWS", 64)
-    assert len(kernels(_rotary(None), 64)) == 2
+    assert kernels(_rotary(None), 64) == ["sympow_rotary_forward"]  # q and k in one
     assert kernels(_rotary(None), 1) == []
     assert kernels(_rotary("xla"), 64) == []
     wide = Rotary(48, 2, 24, "learned", impl="pallas", rngs=nnx.Rngs(0))
