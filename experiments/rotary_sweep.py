@@ -12,6 +12,7 @@ WARPS (docs/kernels.md); kernel_profile.py measures them inside the training ste
 
 import datetime
 import functools
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -73,23 +74,22 @@ def main(argv):
     rows = [dict(impl="xla", **timings(reference))]
     print(rows[-1], flush=True)
     for layout in _LAYOUTS.value:
-        rotary_kernel.WARPS = 8  # read when the kernel is traced
+        rotary_kernel.WARPS = 8  # the kernels before rotate_together
         rows.append(dict(impl="separately", layout=layout, kv_heads=1, block_rows=64, warps=8,
                          **timings(functools.partial(separately, layout=layout))))
         print(rows[-1], flush=True)
-        for kv_heads in map(int, _KV_HEADS.value):
-            for block in map(int, _BLOCKS.value):
-                for warps in map(int, _WARPS.value):
-                    rotary_kernel.WARPS = warps
-                    case = dict(impl="together", layout=layout, kv_heads=kv_heads,
-                                block_rows=block, warps=warps)
-                    try:
-                        case.update(timings(functools.partial(
-                            together, layout=layout, kv_heads=kv_heads, block=block)))
-                    except Exception as error:  # noqa: BLE001  (a configuration that fails)
-                        case["error"] = str(error)[:300]
-                    rows.append(case)
-                    print(rows[-1], flush=True)
+        for kv_heads, block, warps in itertools.product(
+                map(int, _KV_HEADS.value), map(int, _BLOCKS.value), map(int, _WARPS.value)):
+            rotary_kernel.WARPS = warps  # read when the kernel is traced
+            case = dict(impl="together", layout=layout, kv_heads=kv_heads,
+                        block_rows=block, warps=warps)
+            try:
+                case.update(timings(functools.partial(
+                    together, layout=layout, kv_heads=kv_heads, block=block)))
+            except Exception as error:  # noqa: BLE001  (a configuration that fails)
+                case["error"] = str(error)[:300]
+            rows.append(case)
+            print(rows[-1], flush=True)
     if _OUT.value:
         Path(_OUT.value).write_text(json.dumps(dict(
             device=jax.devices()[0].device_kind, jax=jax.__version__,

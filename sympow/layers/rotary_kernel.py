@@ -24,9 +24,16 @@ float32 partial sum per program) it made the kernel 28 % slower, more than the p
 saved (docs/kernels.md).
 
 The pair swap is a product with a 0/1 permutation matrix (exact: one term per output; the
-tensor cores move lanes the vector units would shuffle). Each kv head's mu cotangent is the
-sum over its query heads' (XLA adds the group). cos and sin are the GPU's approximate ones
-(absolute error <= 2^-20.5 on the reduced angle, far below bf16's rounding of x').
+tensor cores move lanes the vector units would shuffle). cos and sin are the GPU's
+approximate ones (absolute error <= 2^-20.5 on the reduced angle, far below bf16's rounding
+of x').
+
+A layer's q and k share mu, so `rotate_together((q, k), mu)` rotates both in one kernel each
+way: a program makes a block's angles for its kv heads once and rotates every array's heads
+of those kv heads with them, and the backward sums mu's cotangent over all of them (a kv
+head's query heads and its key head) in the kernel. GPT-2 small's q and k at 4k on an
+H100: forward + backward 532 -> 496 us against two `rotate` calls (kernel time, bias
+reductions included); several kv heads a program measured slower (docs/kernels.md).
 
 Where the result goes matters as much as the rotation: XLA had fused its own rotation into
 the copies of q and k to the chunked algorithm's chunk layout, so `layout='heads'` writes x'
@@ -34,9 +41,10 @@ head-major ([B, H, T, D], that layout after a reshape) and reads the backward's 
 way; XLA then folds those copies into the kernels' index maps. GPT-2 small at 65,536 tokens
 on an H100: 2.89x -> 2.95x softmax's training tokens/s with it (docs/benchmarks.md).
 
-`rotate(x, mu, base=...)` is the function; `sympow.rotary.apply_rotary` with
-`learned_rotary_angles`' angles is its specification (`rotate_reference`). On GPU the
-kernels lower through Triton; elsewhere they run in the Pallas interpreter (CPU tests).
+`rotate(x, mu, base=...)` and `rotate_together` are the functions; `sympow.rotary.
+apply_rotary` with `learned_rotary_angles`' angles is their specification
+(`rotate_reference`). On GPU the kernels lower through Triton; elsewhere they run in the
+Pallas interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ __all__ = ["BLOCK_ROWS", "KV_HEADS", "LAYOUTS", "rotate", "rotate_reference",
 F32 = jnp.float32
 BLOCK_ROWS = 64  # rows of one head a program rotates at a time (H200 sweep: docs/kernels.md)
 KV_HEADS = 1  # at most this many kv heads a program (their angles made once for all arrays)
-WARPS = 8
+WARPS = 4  # H100 sweep with q and k together (docs/kernels.md)
 STAGES = 2  # Triton's pipelining depth
 
 
@@ -376,3 +384,4 @@ def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
             head_dmu = -jnp.sum(sigma_x * along * theta, axis=1)  # [bt]
             dmu = head_dmu if dmu is None else dmu + head_dmu
         dmu_ref[:, j] = dmu
+
