@@ -1,8 +1,8 @@
 """Time the learned-rotary kernels (sympow.layers.rotary_kernel) as GPT-2 small's layer runs
 them: q and k [B, T, 12, 64] bf16 with their biases, one mu [B, T, 12]; XLA's rotation
-(`rotate_reference`), the two arrays rotated one call each (`rotate`, one kv head a
-program: the kernels before `rotate_together`), and both in one call (`rotate_together`)
-per kv heads a program, block rows and warp count; each layout. GPU microseconds of all
+(`rotate_reference`), the two arrays rotated one call each (`rotate` at 64 rows and 8
+warps), and both in one call (`rotate_together`) per kv heads a program, block rows and
+warp count; each layout. GPU microseconds of all
 the kernels of a call (jax's profiler, `timing.gpu_us`: the bias cotangents' reductions
 included), forward and forward + backward: the sweep that chose KV_HEADS, BLOCK_ROWS and
 WARPS (docs/kernels.md); kernel_profile.py measures them inside the training step.
@@ -74,7 +74,7 @@ def main(argv):
     rows = [dict(impl="xla", **timings(reference))]
     print(rows[-1], flush=True)
     for layout in _LAYOUTS.value:
-        rotary_kernel.WARPS = 8  # the kernels before rotate_together
+        rotary_kernel.WARPS = 8  # read when the kernel is traced
         rows.append(dict(impl="separately", layout=layout, kv_heads=1, block_rows=64, warps=8,
                          **timings(functools.partial(separately, layout=layout))))
         print(rows[-1], flush=True)

@@ -5,35 +5,33 @@ of a kv head by mu_i theta_j, mu per token and head. Written in jnp, XLA materia
 and sin as two float32 arrays [B, T, Hk, D/2], each as large as the bf16 queries it
 rotates, and reads both wherever it rotates or differentiates a rotation: in GPT-2 small's
 training step at context 65,536 the rotations took 8.6 ms against fixed rotary's 5.3
-(docs/kernels.md). Here a program reads a block of rows of one head and the block's mu
+(docs/kernels.md). Here a program reads a block of rows of its heads and the block's mu
 [bt] and makes the angles itself (`rotary._reduced_angles`' turns, so cos and sin stay on
-their fast path):
+their fast path). A pair (x_1, x_2) is lanes (2j, 2j + 1), loaded as two strided halves
+[bt, D/2], so the rotation is elementwise on the halves:
 
-    forward:  x' = x cos + swap(x) sin~              # swap: pairs exchanged, sin~ = (-s, s)
-    backward: dx = dy cos - swap(dy) sin~,  dmu = sum over lanes of theta dy u,
-              u = d x'/d angle = sigma (cos swap(x) - sin~ x),  sigma = (-1, +1) per pair,
-              summed as -sum theta sigma x (cos swap(dy) + sin~ dy): within a pair
-              dy . sigma swap(x) = -sigma swap(dy) . x, so the backward's one swap is dy's
+    forward:  x'_1 = x_1 cos - x_2 sin,   x'_2 = x_2 cos + x_1 sin
+    backward: dx_1 = dy_1 cos + dy_2 sin,  dx_2 = dy_2 cos - dy_1 sin    (the transpose)
+              dmu = sum over pairs of theta (dy_2 x'_1 - dy_1 x'_2)  # d x'/d angle = (-x'_2, x'_1)
 
-An optional bias b [H, D] is added as the rows load (x + b in place of x above; the forward
-reads swap(b) beside it, swap(x + b) = swap(x) + swap(b)): the projections' bias of q and k, which
-XLA otherwise adds in a pass of its own before a kernel it cannot fuse into (1.68 ms of a
-GPT-2 small step at 65,536 tokens on an H100). Its cotangent, the sum of dx over the rows,
-is XLA's reduction of dx, as autodiff of the add had it: summed in the backward kernel (a
-float32 partial sum per program) it made the kernel 28 % slower, more than the pass it
-saved (docs/kernels.md).
+An optional bias b [H, D] is added as the rows load (x + b in place of x above): the
+projections' bias of q and k, which XLA otherwise adds in a pass of its own before a kernel
+it cannot fuse into (1.68 ms of a GPT-2 small step at 65,536 tokens on an H100). Its
+cotangent, the sum of dx over the rows, is XLA's reduction of dx, as autodiff of the add
+had it: summed in the backward kernel (a float32 partial sum per program) it made the
+kernel 28 % slower, more than the pass it saved (docs/kernels.md).
 
-The pair swap is a product with a 0/1 permutation matrix (exact: one term per output; the
-tensor cores move lanes the vector units would shuffle). cos and sin are the GPU's
-approximate ones (absolute error <= 2^-20.5 on the reduced angle, far below bf16's rounding
-of x').
+The strided halves replaced a product with a 0/1 lane-swap matrix on the tensor cores
+(Triton has no cheap lane shuffle; the product's operands went through shared memory): on
+GPT-2 small's q and k at 4k on an H100 the kernels' vjp call took 495.7 -> 381.6 us, the
+forward 207.6 -> 189.2 us. cos and sin are the GPU's approximate ones (absolute error
+<= 2^-20.5 on the reduced angle, far below bf16's rounding of x').
 
 A layer's q and k share mu, so `rotate_together((q, k), mu)` rotates both in one kernel each
 way: a program makes a block's angles for its kv heads once and rotates every array's heads
 of those kv heads with them, and the backward sums mu's cotangent over all of them (a kv
-head's query heads and its key head) in the kernel. GPT-2 small's q and k at 4k on an
-H100: forward + backward 532 -> 496 us against two `rotate` calls (kernel time, bias
-reductions included); several kv heads a program measured slower (docs/kernels.md).
+head's query heads and its key head) in the kernel. Several kv heads a program measured
+slower than one (docs/kernels.md).
 
 Where the result goes matters as much as the rotation: XLA had fused its own rotation into
 the copies of q and k to the chunked algorithm's chunk layout, so `layout='heads'` writes x'
@@ -55,7 +53,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
@@ -68,7 +65,7 @@ __all__ = ["BLOCK_ROWS", "KV_HEADS", "LAYOUTS", "rotate", "rotate_reference",
 F32 = jnp.float32
 BLOCK_ROWS = 64  # rows of one head a program rotates at a time (H200 sweep: docs/kernels.md)
 KV_HEADS = 1  # at most this many kv heads a program (their angles made once for all arrays)
-WARPS = 4  # H100 sweep with q and k together (docs/kernels.md)
+WARPS = 4  # H100 sweeps with q and k together (docs/kernels.md)
 STAGES = 2  # Triton's pipelining depth
 
 
@@ -212,17 +209,10 @@ _rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def _rates(d: int, base: float) -> tuple[Array, Array]:
-    """(turns, theta) [1, D] per lane, pair j on lanes 2j and 2j + 1: theta = rotary_rates
-    and turns = theta / 2 pi, computed as `rotary._reduced_angles` computes them."""
+    """(turns, theta) [1, D/2] per pair: theta = rotary_rates and turns = theta / 2 pi,
+    computed as `rotary._reduced_angles` computes them."""
     theta = rotary_rates(d, base)
-    return jnp.repeat(theta / (2 * jnp.pi), 2)[None], jnp.repeat(theta, 2)[None]
-
-
-@functools.lru_cache(maxsize=8)
-def _swap(d: int) -> np.ndarray:
-    """[D, D] 0/1: the permutation exchanging the lanes of each pair ([i, j]: j = i ^ 1)."""
-    lanes = np.arange(d)
-    return (lanes[:, None] == (lanes ^ 1)[None, :]).astype(np.float32)
+    return (theta / (2 * jnp.pi))[None], theta[None]
 
 
 def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[Array]:
@@ -243,25 +233,17 @@ def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[
 
     groups = tuple(x.shape[2] // hk for x in xs)
     blocks = [rows(kb * group) for group in groups]  # (tokens, heads) per array
-    turns, theta = _rates(d, setup.base)
+    rates = _rates(d, setup.base)[:1 if direction == "forward" else 2]  # turns (, theta)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j, i, n: (0, 0))  # noqa: E731
-    swap = jnp.asarray(_swap(d), xs[0].dtype)  # 0/1: exact in either dtype
     in_specs = [tokens for tokens, _ in blocks]
-    args = [pad(x) for x in xs]
-    in_specs += [pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)), whole(turns),
-                 whole(theta), whole(swap)]
-    args += [pad(mu), turns, theta, swap]
+    in_specs += [pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)),
+                 *(whole(rate) for rate in rates)]
+    args = [*(pad(x) for x in xs), pad(mu), *rates]
     shifted = tuple(bias is not None for bias in biases)
-    for group, bias in zip(groups, biases, strict=True):  # b (forward: and swap(b)) per head
-        if bias is None:
-            continue
-        per_head = pl.BlockSpec((kb * group, d), lambda j, i, n: (n, 0))
-        shift = bias.astype(F32)
-        in_specs.append(per_head)
-        args.append(shift)
-        if direction == "forward":
-            in_specs.append(per_head)
-            args.append(shift.reshape(-1, d // 2, 2)[..., ::-1].reshape(shift.shape))
+    for group, bias in zip(groups, biases, strict=True):  # b per head, in float32
+        if bias is not None:
+            in_specs.append(pl.BlockSpec((kb * group, d), lambda j, i, n: (n, 0)))
+            args.append(bias.astype(F32))
     major = 1 if setup.heads_major else 0
     if direction == "forward":
         out_specs = [block[major] for block in blocks]
@@ -290,20 +272,16 @@ def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[
 
 
 def _angles(mu, turns_per_mu, approx: bool):
-    """(cos, sin~, first) [bt, D] of rows mu [bt]: sin~ = -sin on a pair's first lane (where
-    `first`), +sin on its second; the angle reduced to [-pi, pi] as `rotary._reduced_angles`
-    does. approx: the GPU's cos.approx and sin.approx (absolute error <= 2^-20.5 on
-    [-pi, pi]); libdevice's exact cosf and sinf keep a slow path for huge arguments whose
-    local memory made the kernels 2-50x slower than XLA's rotation (docs/kernels.md)."""
-    turns = mu[:, None] * turns_per_mu  # [bt, D]
+    """(cos, sin) [bt, D/2] of rows mu [bt] and each pair's turns [1, D/2], the angle reduced
+    to [-pi, pi] as `rotary._reduced_angles` does. approx: the GPU's cos.approx and
+    sin.approx (absolute error <= 2^-20.5 on [-pi, pi]); libdevice's exact cosf and sinf
+    keep a slow path for huge arguments whose local memory made the kernels 2-50x slower
+    than XLA's rotation (docs/kernels.md)."""
+    turns = mu[:, None] * turns_per_mu
     angle = (2 * math.pi) * (turns - jnp.floor(turns + 0.5))
-    lane = jax.lax.broadcasted_iota(jnp.int32, angle.shape, 1)
-    first = jax.lax.rem(lane, 2) == 0
     if approx:
-        cos, sin = (_approx(f"{name}.approx.f32 $0, $1;", angle) for name in ("cos", "sin"))
-    else:
-        cos, sin = jnp.cos(angle), jnp.sin(angle)
-    return cos, jnp.where(first, -sin, sin), first
+        return tuple(_approx(f"{name}.approx.f32 $0, $1;", angle) for name in ("cos", "sin"))
+    return jnp.cos(angle), jnp.sin(angle)
 
 
 def _approx(asm: str, x):
@@ -313,75 +291,83 @@ def _approx(asm: str, x):
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])[0]
 
 
-def _swapped(x, swap):
-    """x [bt, D] with the lanes of each pair exchanged, float32 (a product with the 0/1
-    permutation: one term per output, exact; float32 operands at full precision)."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None
-    return jax.lax.dot(x, swap, precision=precision, preferred_element_type=F32)
-
-
 def _heads(groups, kv_head: int):
     """(array, head) of every head of x a program's kv head `kv_head` turns, in order."""
     return [(a, kv_head * group + m) for a, group in enumerate(groups) for m in range(group)]
 
 
-def _row_block(head: int, heads_major: bool):
-    """The indexer of one head's rows [bt, D] in a block of several heads' rows."""
-    return (head, slice(None), slice(None)) if heads_major else (slice(None), head, slice(None))
-
-
-def _take_biases(refs, shifted, per: int):
-    """The first `per` refs per shifted array (None for the others), and the refs left."""
+def _take_biases(refs, shifted):
+    """One ref per shifted array (None for the others), and the refs left."""
     taken, at = [], 0
     for has in shifted:
-        taken.append(refs[at:at + per] if has else None)
-        at += per if has else 0
+        taken.append(refs[at] if has else None)
+        at += has
     return taken, refs[at:]
+
+
+# A pair's two lanes (2j, 2j + 1) as two strided slices [bt, D/2] each: the rotation is
+# then elementwise on the halves (a swap of lanes inside a row has no cheap Triton form).
+def _lanes(d: int):
+    """(first, second): the strided slices of each pair's first and second lanes."""
+    return pl.ds(0, d // 2, stride=2), pl.ds(1, d // 2, stride=2)
+
+
+def _load(ref, head: int, lanes, heads_major: bool = False):
+    """Lanes `lanes` of one head's rows [bt, P] from a block of several heads' rows, float32
+    (the head as a slice of one: the interpreter takes no integer beside a strided slice)."""
+    rows = ref[(pl.ds(head, 1), slice(None), lanes) if heads_major
+               else (slice(None), pl.ds(head, 1), lanes)]
+    return rows.reshape(-1, rows.shape[-1]).astype(F32)
+
+
+def _store(ref, head: int, lanes, value, heads_major: bool = False):
+    """value [bt, P] into lanes `lanes` of one head's rows (`_load`'s inverse), ref's dtype."""
+    bt, p = value.shape
+    value = value.astype(ref.dtype)
+    if heads_major:
+        ref[pl.ds(head, 1), :, lanes] = value.reshape(1, bt, p)
+    else:
+        ref[:, pl.ds(head, 1), lanes] = value.reshape(bt, 1, p)
+
+
+def _pair(x_ref, bias_ref, head: int, lanes):
+    """(x_1, x_2) [bt, D/2] of one head's rows, each shifted by its bias lanes if given."""
+    halves = [_load(x_ref, head, half) for half in lanes]
+    if bias_ref is not None:
+        halves = [x + bias_ref[pl.ds(head, 1), half] for x, half in zip(halves, lanes, strict=True)]
+    return halves
 
 
 def _forward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     n = len(groups)
-    x_refs, (mu_ref, turns_ref, _, swap_ref) = refs[:n], refs[n:n + 4]
-    bias_refs, out_refs = _take_biases(refs[n + 4:], shifted, per=2)  # b and swap(b)
-    swap, turns = swap_ref[...], turns_ref[...]
+    x_refs, mu_ref, turns_ref = refs[:n], refs[n], refs[n + 1]
+    bias_refs, out_refs = _take_biases(refs[n + 2:], shifted)
+    lanes = _lanes(x_refs[0].shape[-1])
     for j in range(kv_heads):
-        cos, signed_sin, _ = _angles(mu_ref[:, j], turns, approx)  # once for all heads
+        cos, sin = _angles(mu_ref[:, j], turns_ref[...], approx)  # [bt, D/2], once for all
         for a, head in _heads(groups, j):
-            x = x_refs[a][:, head, :]  # [bt, D]
-            x32, swapped = x.astype(F32), _swapped(x, swap)
-            if shifted[a]:  # x + b and swap(x) + swap(b)
-                bias_ref, swapped_bias_ref = bias_refs[a]
-                x32 = x32 + bias_ref[head, :][None]
-                swapped = swapped + swapped_bias_ref[head, :][None]
-            out_ref = out_refs[a]
-            out_ref[_row_block(head, heads_major)] = (
-                x32 * cos + swapped * signed_sin).astype(out_ref.dtype)
+            x1, x2 = _pair(x_refs[a], bias_refs[a], head, lanes)
+            _store(out_refs[a], head, lanes[0], x1 * cos - x2 * sin, heads_major)
+            _store(out_refs[a], head, lanes[1], x2 * cos + x1 * sin, heads_major)
 
 
 def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     n = len(groups)
     dy_refs, x_refs = refs[:n], refs[n:2 * n]
-    mu_ref, turns_ref, theta_ref, swap_ref = refs[2 * n:2 * n + 4]
-    bias_refs, out_refs = _take_biases(refs[2 * n + 4:], shifted, per=1)
+    mu_ref, turns_ref, theta_ref = refs[2 * n:2 * n + 3]
+    bias_refs, out_refs = _take_biases(refs[2 * n + 3:], shifted)
     *dx_refs, dmu_ref = out_refs
-    swap, turns, theta = swap_ref[...], turns_ref[...], theta_ref[...]
+    lanes = _lanes(x_refs[0].shape[-1])
+    theta = theta_ref[...]  # [1, D/2]
     for j in range(kv_heads):
-        cos, signed_sin, first = _angles(mu_ref[:, j], turns, approx)
+        cos, sin = _angles(mu_ref[:, j], turns_ref[...], approx)
         dmu = None
         for a, head in _heads(groups, j):
-            dy = dy_refs[a][_row_block(head, heads_major)]  # [bt, D]
-            dy32, swapped_dy = dy.astype(F32), _swapped(dy, swap)
-            dx_ref = dx_refs[a]
-            dx_ref[:, head, :] = (dy32 * cos - swapped_dy * signed_sin).astype(dx_ref.dtype)
-            x = x_refs[a][:, head, :].astype(F32)
-            if shifted[a]:
-                x = x + bias_refs[a][0][head, :][None]
-            # dmu = sum theta dy . d x'/d angle with d x'/d angle = sigma (cos swap(x) -
-            # sin~ x), sigma = (-1, +1) on a pair's lanes; dy . sigma swap(x) =
-            # -sigma swap(dy) . x per pair
-            sigma_x = jnp.where(first, -x, x)
-            along = cos * swapped_dy + signed_sin * dy32
-            head_dmu = -jnp.sum(sigma_x * along * theta, axis=1)  # [bt]
+            dy1, dy2 = (_load(dy_refs[a], head, half, heads_major) for half in lanes)
+            _store(dx_refs[a], head, lanes[0], dy1 * cos + dy2 * sin)  # the transpose
+            _store(dx_refs[a], head, lanes[1], dy2 * cos - dy1 * sin)
+            x1, x2 = _pair(x_refs[a], bias_refs[a], head, lanes)
+            y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # d x'/d angle = (-y2, y1)
+            head_dmu = jnp.sum(theta * (dy2 * y1 - dy1 * y2), axis=1)  # [bt]
             dmu = head_dmu if dmu is None else dmu + head_dmu
         dmu_ref[:, j] = dmu
-
