@@ -269,8 +269,8 @@ def decode_step(
 def _decode_step(p, impl, interpret, state, q, k, v, log_g):
     # the readout phi(q)^T S / phi(q)^T Z is invariant to q's scale: q over a power of two
     # >= |q| (exact) keeps |q|^p inside float32, past which the row was inf / inf or 0 / 0
-    ct = state.s.dtype
-    q = q.astype(ct) / norm_bound(q.astype(ct), axis=(-1,))
+    q = q.astype(state.s.dtype)
+    q = q / norm_bound(q, axis=(-1,))
     if impl == "pallas":
         return decode_kernel.decode_step(state, q, k, v, log_g, p, interpret=interpret)
     return recurrent_step(state, q, k, v, log_g, p)
