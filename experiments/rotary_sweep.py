@@ -2,9 +2,9 @@
 them: q and k [B, T, 12, 64] bf16 with their biases, one mu [B, T, 12]; XLA's rotation
 (`rotate_reference`), the two arrays rotated one call each (`rotate` at 64 rows and 8
 warps), and both in one call (`rotate_together`) per kv heads a program, block rows and
-warp count; each layout. GPU microseconds of all
-the kernels of a call (jax's profiler, `timing.gpu_us`: the bias cotangents' reductions
-included), forward and forward + backward: the sweep that chose KV_HEADS, BLOCK_ROWS and
+warp count; each layout. GPU microseconds of all the kernels of a call (jax's profiler,
+`timing.gpu_us`: the bias cotangents' reductions included), forward and the vjp call
+(`jax.vjp(...)[1]` jitted): the sweep that chose KV_HEADS, BLOCK_ROWS and
 WARPS (docs/kernels.md); kernel_profile.py measures them inside the training step.
 
   PYTHONPATH=. python3 experiments/rotary_sweep.py --out=$OUT/rotary_sweep.json

@@ -23,8 +23,8 @@ kernel 28 % slower, more than the pass it saved (docs/kernels.md).
 
 The strided halves replaced a product with a 0/1 lane-swap matrix on the tensor cores
 (Triton has no cheap lane shuffle; the product's operands went through shared memory): on
-GPT-2 small's q and k at 4k on an H100 the kernels' vjp call took 495.7 -> 381.6 us, the
-forward 207.6 -> 189.2 us. cos and sin are the GPU's approximate ones (absolute error
+GPT-2 small's q and k at 4k on an H100 the kernels' vjp call took 493.5 -> 381.6 us, the
+forward 207.6 -> 189.2 us (one run). cos and sin are the GPU's approximate ones (absolute error
 <= 2^-20.5 on the reduced angle, far below bf16's rounding of x').
 
 A layer's q and k share mu, so `rotate_together((q, k), mu)` rotates both in one kernel each
