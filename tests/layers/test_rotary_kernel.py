@@ -72,7 +72,7 @@ def test_matches_the_specification(rng, dtype, shape, layout, biased):
 
 def _together_and_cotangents(fn, xs, mu, dys, biases):
     """(rotated xs, their cotangents, mu's, the biases') of fn(xs, mu, biases)."""
-    outs, vjp = jax.vjp(lambda xs, mu, biases: fn(xs, mu, biases), xs, mu, biases)
+    outs, vjp = jax.vjp(fn, xs, mu, biases)
     return outs, *vjp(tuple(dys))
 
 
@@ -109,7 +109,7 @@ def test_rotate_together_matches_the_specification_array_by_array(rng, dtype, he
             kv_heads=kv_heads), tuple(xs), mu, dys, biases)
     want = _together_and_cotangents(_separately, tuple(xs), mu, dys, biases)
     tol = 1e-6 if dtype == "float32" else 2e-3  # the same float32 arithmetic, rounded once
-    for name, a, c in [*zip(("y", "dx"), (got[0], got[1]), (want[0], want[1]), strict=True)]:
+    for name, a, c in zip(("y", "dx"), got[:2], want[:2], strict=True):
         for i, (u, v) in enumerate(zip(a, c, strict=True)):
             assert u.dtype == jnp.dtype(dtype) and u.shape == v.shape
             assert rel_err(u, v) <= tol, (name, i, rel_err(u, v))
