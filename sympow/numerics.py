@@ -53,14 +53,27 @@ def zeros_of_call(shape, dtype, like: Array) -> Array:
     return jnp.broadcast_to(zero, shape)
 
 
+def has_weight(den: Array) -> Array:
+    """Where a row's weight sum den counts: den > 0, and NaN too, so that a NaN input gives
+    NaN rows, never the zeros of a row without weight (NaN > 0 is False)."""
+    return ~(den <= 0)
+
+
 def safe_divide(num: Array, den: Array) -> Array:
-    """num / den broadcast over the last axis of num, and 0 where den == 0 (no NaN grads).
+    """num / den broadcast over the last axis of num, and 0 where den <= 0 (no NaN grads).
 
     num [..., E], den [...]: rows with nothing to average (den == 0) give 0, the output the
-    library defines for a row whose attention weights are all zero.
+    library defines for a row whose attention weights are all zero; a NaN den gives NaN.
     """
-    positive = den > 0
-    return jnp.where(positive[..., None], num / jnp.where(positive, den, 1.0)[..., None], 0.0)
+    empty = den <= 0  # NaN <= 0 is False: a NaN den is carried (`has_weight`)
+    return jnp.where(empty[..., None], 0.0, num / jnp.where(empty, 1.0, den)[..., None])
+
+
+def safe_reciprocal(den: Array) -> Array:
+    """1 / den, and 0 where den <= 0 (`safe_divide`'s factor; NaN for a NaN den). Plain
+    comparisons and selects, so the Hopper kernels call it too."""
+    empty = den <= 0
+    return jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, den))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

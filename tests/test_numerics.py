@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sympow.numerics import compensated_sum, compute_dtype, round_to, safe_divide, zeros_of_call
+from sympow.numerics import (
+    compensated_sum,
+    compute_dtype,
+    round_to,
+    safe_divide,
+    safe_reciprocal,
+    zeros_of_call,
+)
 
 
 def test_compute_dtype_is_float32_or_wider(x64):
@@ -21,6 +28,17 @@ def test_safe_divide_rows_and_zero_rows():
     num = jnp.asarray([[2.0, 4.0], [3.0, 6.0], [1.0, 1.0]])
     den = jnp.asarray([2.0, 3.0, 0.0])
     np.testing.assert_array_equal(safe_divide(num, den), [[1.0, 2.0], [1.0, 2.0], [0.0, 0.0]])
+
+
+def test_safe_divide_and_reciprocal_give_nan_for_a_nan_den_and_zero_where_no_weight():
+    """0 where den <= 0 (no weight; a rounding below 0 too), NaN where den is NaN: a NaN
+    input must not come out as the zeros of an empty row."""
+    den = jnp.asarray([2.0, 0.0, -1e-30, jnp.nan])
+    got = safe_divide(jnp.ones((4, 2)), den)
+    np.testing.assert_array_equal(got[:3], [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]])
+    assert np.isnan(np.asarray(got[3])).all()
+    np.testing.assert_array_equal(safe_reciprocal(den)[:3], [0.5, 0.0, 0.0])
+    assert np.isnan(float(safe_reciprocal(den)[3]))
 
 
 def test_safe_divide_has_finite_gradients_at_zero_rows():

@@ -29,16 +29,23 @@ from sympow.attention.reference import (
     Queries,
     SympowState,
     Values,
+    check_p,
     recurrent_step,
 )
 from sympow.attention.streaming import streamed_state
+from sympow.embedding import expanded_dim
 
 __all__ = ["sympow_attention", "prefill", "decode_step", "make_config", "check_settings"]
 
 
 def _shape_error(name: str, expected: str, args: dict) -> ValueError:
-    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in args.items() if v is not None)
+    shapes = ", ".join(f"{k} {_shape_of(v)}" for k, v in args.items() if v is not None)
     return ValueError(f"{name} must be {expected}; got {shapes}")
+
+
+def _shape_of(x) -> str:
+    """x's shape as a tuple, or its type where it has none (a list, None)."""
+    return str(tuple(x.shape)) if hasattr(x, "shape") else f"of type {type(x).__name__}"
 
 
 def validate_inputs(q, k, v, log_g, p) -> None:
@@ -68,11 +75,6 @@ def validate_inputs(q, k, v, log_g, p) -> None:
         raise ValueError(f"q, k and v must share one dtype, got {dtypes}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k and v must be floating point, got dtype {q.dtype}")
-
-
-def check_p(p) -> None:
-    if not isinstance(p, int) or isinstance(p, bool) or p <= 0 or p % 2:
-        raise ValueError(f"p must be a positive even int, got p={p!r}")
 
 
 def check_settings(*, p, chunk_size, impl, algorithm=None) -> None:
@@ -170,6 +172,10 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
 
     Y_i = sum_{j<=i} B_ij V_j / sum_{j<=i} B_ij with B_ij = exp(G_i - G_j) (Q_i . K_j)^p and
     G = cumsum(log_g). Rows whose B_ij are all zero (e.g. a zero query) give Y_i = 0.
+    A NaN in an input gives NaN rows, never zeros: q_i's makes row i NaN, k_j's and
+    log_g_j's rows j on (earlier rows untouched); v_j's rows j on and possibly earlier ones
+    (a masked weight's 0 times NaN is NaN in the products); tested for 'reference', 'xla'
+    and 'pallas' in the interpreter, not yet on a GPU.
     Layout follows jax.nn.dot_product_attention.
 
     Args:
@@ -251,18 +257,40 @@ def decode_step(
     >= its norm before phi(q), so |q|^p stays inside float32).
     Returns (new state, y [B, Hq, E] in v's dtype).
     """
-    validate_inputs(q[:, None], k[:, None], v[:, None],
-                    None if log_g is None else log_g[:, None], p)
-    f = state.z.shape[-1]
-    if state.s.shape != (k.shape[0], k.shape[1], f, v.shape[-1]):
-        raise ValueError(f"state.s must be [B, Hk, F, E] = [{k.shape[0]}, {k.shape[1]}, F, "
-                         f"{v.shape[-1]}], got {tuple(state.s.shape)}")
+    _validate_step(state, q, k, v, log_g, p)
     if impl is None:
         impl = default_decode_impl()
     if impl not in DECODE_IMPLS:
         raise ValueError(f"impl must be one of {DECODE_IMPLS} or None, got impl={impl!r}")
     state, y = _decode_step(p, impl, jax.default_backend() != "gpu", state, q, k, v, log_g)
     return state, y.astype(v.dtype)
+
+
+def _validate_step(state, q, k, v, log_g, p) -> None:
+    """ValueError naming the argument and shapes for a token or a state outside
+    decode_step's contract: the state must be one of this p and D (F = expanded_dim(D, p))."""
+    args = {"q": q, "k": k, "v": v, "log_g": log_g}
+    for name, spec in (("q", "[B, Hq, D]"), ("k", "[B, Hk, D]"), ("v", "[B, Hk, E]"),
+                       ("log_g", "[B, Hk]")):
+        if args[name] is not None and getattr(args[name], "ndim", None) != len(spec.split(",")):
+            raise _shape_error(name, f"rank {len(spec.split(','))} {spec} (one token)", args)
+    validate_inputs(q[:, None], k[:, None], v[:, None],
+                    None if log_g is None else log_g[:, None], p)
+    if not isinstance(state, SympowState):
+        raise ValueError(f"state must be a SympowState(s, z) (from prefill or init_state), "
+                         f"got {type(state).__name__}")
+    (b, hk, d), e = k.shape, v.shape[-1]
+    f = expanded_dim(d, p)
+    which = f"F = expanded_dim(D={d}, p={p}) = {f}"
+    states = {"state.s": state.s, "state.z": state.z}
+    for name, want, spec in (("state.s", (b, hk, f, e), "[B, Hk, F, E]"),
+                             ("state.z", (b, hk, f), "[B, Hk, F]")):
+        if getattr(states[name], "shape", None) != want:
+            raise _shape_error(name, f"{spec} = {list(want)} ({which}; a state of another p "
+                                     "or D does not fit)", states)
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in states.values()):
+        raise ValueError(f"state.s and state.z must be floating point, got dtypes "
+                         f"{state.s.dtype} and {state.z.dtype}")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

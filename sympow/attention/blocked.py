@@ -63,7 +63,7 @@ from sympow.attention.reference import (
     Values,
     segment_sums_last,
 )
-from sympow.numerics import HIGHEST, compute_dtype, safe_divide
+from sympow.numerics import HIGHEST, compute_dtype, safe_divide, safe_reciprocal
 
 
 class Blocks(NamedTuple):
@@ -165,7 +165,7 @@ def _backward(blocks: Blocks, y, m, den, dy, p: int):
     [B, Hk, R, N, K, E]."""
     n = blocks.head.shape[-2]
     delta = jnp.sum(dy * y, axis=-1)  # [B, Hk, R, N, K]
-    inv_den = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+    inv_den = safe_reciprocal(den)
     back = lambda x, d: jnp.roll(x, -d, axis=2)  # noqa: E731  index n - d <- n
 
     def step(carry, d):

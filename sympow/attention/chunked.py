@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.attention.reference import Keys, LogGates, Outputs, Queries, SympowState, Values
-from sympow.numerics import compute_dtype, safe_divide
+from sympow.numerics import compute_dtype, has_weight, safe_divide
 
 
 class ChunkPrimitives(NamedTuple):
@@ -84,7 +84,7 @@ def combine_weights(den: Array, m: Array, inter_den: Array) -> tuple[Array, Arra
     neither side overflows; M cancels, so it carries no gradient. w_inter is 0 where
     inter_den is (nothing from the state: e^-M overflows float32 for a row max m < -88,
     every score below ~1e-19 at p = 2, and 0 * inf was NaN), w_intra where den is."""
-    has_intra, has_inter = den > 0, inter_den > 0
+    has_intra, has_inter = has_weight(den), has_weight(inter_den)
     log_inter = jnp.where(has_inter, jnp.log(jnp.where(has_inter, inter_den, 1.0)), -jnp.inf)
     shared = jnp.maximum(jnp.where(has_intra, m, -jnp.inf), log_inter)
     shared = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shared), shared, 0.0))

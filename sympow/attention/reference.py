@@ -12,6 +12,7 @@ it) has no distribution to average with; its output is defined as 0 in every for
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -70,7 +71,7 @@ def attention_form(
         log_decay = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -jnp.inf)
     else:
         log_decay = segment_sums(log_g.astype(ct))[:, :, None]  # [B, Hk, 1, T, T]
-    valid = nonzero & (log_decay > -jnp.inf)
+    valid = nonzero & (log_decay != -jnp.inf)  # NaN counts: carried, not dropped
     logits = jnp.where(valid, log_power + jnp.where(valid, log_decay, 0.0), -jnp.inf)
     # The row max cancels between numerator and denominator: no gradient through it.
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -92,10 +93,24 @@ class SympowState(NamedTuple):
     z: Float[Array, "B Hk F"]
 
 
+def check_p(p) -> None:
+    """ValueError unless p is a positive even int (the sympow powers: (q . k)^p >= 0)."""
+    if not isinstance(p, int) or isinstance(p, bool) or p <= 0 or p % 2:
+        raise ValueError(f"p must be a positive even int, got p={p!r}")
+
+
 def init_state(
     batch: int, kv_heads: int, d: int, e: int, p: int, tile: int = 1, dtype=jnp.float32
 ) -> SympowState:
-    """An all-zero state (no context yet) of F = expanded_dim(d, p, tile) features."""
+    """An all-zero state (no context yet) of F = expanded_dim(d, p, tile) features:
+    s [batch, kv_heads, F, e], z [batch, kv_heads, F], both of the floating `dtype`."""
+    sizes = {"batch": batch, "kv_heads": kv_heads, "d": d, "e": e}
+    for name, size in sizes.items():
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={size!r}")
+    check_p(p)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be floating point, got dtype={jnp.dtype(dtype)}")
     f = expanded_dim(d, p, tile)
     return SympowState(jnp.zeros((batch, kv_heads, f, e), dtype),
                        jnp.zeros((batch, kv_heads, f), dtype))

@@ -80,6 +80,7 @@ from sympow.attention.mosaic_gpu.weights import (
     finite,
     separable_weights,
 )
+from sympow.numerics import safe_reciprocal
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -222,8 +223,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, a_ref, hd_ref, tl_ref, tot_ref, tf_ref, o_r
             jnp.zeros((), F32)))
         o_smem, den_smem, m_smem, c_smem = out
         if normalized:  # y = o / den, 0 for a row without weight (`numerics.safe_divide`)
-            inverse = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-            acc = acc * by_rows(inverse, acc.shape)
+            acc = acc * by_rows(safe_reciprocal(den), acc.shape)
         acc = acc.astype(o_ref.dtype)
         scale_exponent = jnp.where(size > 0, -jnp.log2(jnp.where(size > 0, size, 1.0)), 0.0)
         store_own([(acc, o_smem, rows_at(o_ref, *mine, chunk)), (den, den_smem, den_ref.at[mine]),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from sympow.attention.pallas import attention_kernels, prefix_kernels, state_kernels
 from sympow.attention.pallas.plan import Plan, PrefixPlan
-from sympow.numerics import safe_divide
+from sympow.numerics import safe_divide, safe_reciprocal
 
 
 class UpdateResiduals(NamedTuple):
@@ -134,8 +134,7 @@ def _normalized_fwd(plan, o, den):
 
 def _normalized_bwd(plan, res, dy):
     den, y = res  # dy / dden of o / den: -(dy . o) / den^2 = -(do . y)
-    positive = den > 0
-    do = dy * jnp.where(positive, 1.0 / jnp.where(positive, den, 1.0), 0.0)[..., None]
+    do = dy * safe_reciprocal(den)[..., None]
     return do, normalizer_cotangent(plan, do, y, -jnp.sum(do * y, axis=-1))
 
 
