@@ -39,6 +39,7 @@ from sympow.attention.pallas.phi import (
     tile_tables,
 )
 from sympow.attention.pallas.plan import Plan
+from sympow.numerics import safe_reciprocal
 
 
 def _tables(plan: Plan):
@@ -158,7 +159,7 @@ def combine_rows(o, den, m, inter_o, inter_den):
     """
     w_intra, w_inter = combine_weights(den, m, inter_den)
     total = den * w_intra + inter_den * w_inter
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    inv = safe_reciprocal(total)  # NaN carried (numerics.safe_divide)
     ci, ce = w_intra * inv, w_inter * inv
     return o * ci[:, None] + inter_o * ce[:, None], ci, ce
 
