@@ -25,16 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from sympow.numerics import is_finite_number, is_int
+
 __all__ = ["expanded_dim", "state_bytes", "sympow_embedding", "embedding_tables"]
 
 
-def _check_power_and_tile(d: int, p: int, tile: int) -> None:
-    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+def _check_power_and_tile(d: int, p: int, tile: int) -> tuple[int, int, int]:
+    """(d, p, tile) as Python ints (numpy ints would wrap around in the sizes' products)."""
+    if not is_int(p) or p < 1:
         raise ValueError(f"p must be a positive int, got p={p!r}")
-    if not isinstance(d, int) or d < 1:
+    if not is_int(d) or d < 1:
         raise ValueError(f"d must be a positive int, got d={d!r}")
-    if not isinstance(tile, int) or tile < 1 or d % tile:
+    if not is_int(tile) or tile < 1 or d % tile:
         raise ValueError(f"tile must be a positive divisor of d={d}, got tile={tile!r}")
+    return int(d), int(p), int(tile)
 
 
 def expanded_dim(d: int, p: int, tile: int = 1) -> int:
@@ -43,7 +47,7 @@ def expanded_dim(d: int, p: int, tile: int = 1) -> int:
     F = C(d/tile + p - 1, p) * tile^p: C(d + p - 1, p) for the symmetric power (tile=1),
     d^p for the tensor power (tile=d).
     """
-    _check_power_and_tile(d, p, tile)
+    d, p, tile = _check_power_and_tile(d, p, tile)
     blocks = d // tile
     return math.comb(blocks + p - 1, p) * tile**p
 
@@ -54,7 +58,7 @@ def embedding_tables(d: int, p: int, tile: int = 1) -> tuple[np.ndarray, np.ndar
 
     phi(x)[f] = weight[f] * prod_k x[index[f, k]]. Cached; treat the arrays as read-only.
     """
-    _check_power_and_tile(d, p, tile)
+    d, p, tile = _check_power_and_tile(d, p, tile)
     blocks = d // tile
     # Non-decreasing block sequences [n, p] and all t^p ordered within-tile offsets [t^p, p].
     block_seqs = np.array(
@@ -118,10 +122,13 @@ def state_bytes(
     (p=2), 14 GB (4), 2.2 TB (6), 199 TB (8) for the symmetric power and 77 MB, 314 GB,
     1.3 PB, 5.3 EB for the tensor power (tile=d); decimal units.
     """
+    # d first: a bad d is reported as d, not as the e it defaults.
+    f = expanded_dim(d, p, tile)
     e = d if e is None else e
     for name, value in (("e", e), ("layers", layers), ("heads", heads)):
-        if not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    if bytes_per_number <= 0:
-        raise ValueError(f"bytes_per_number must be positive, got {bytes_per_number!r}")
-    return layers * heads * expanded_dim(d, p, tile) * (e + 1) * bytes_per_number
+    if not is_finite_number(bytes_per_number) or bytes_per_number <= 0:
+        raise ValueError("bytes_per_number must be a finite number > 0, got "
+                         f"bytes_per_number={bytes_per_number!r}")
+    return int(layers) * int(heads) * f * (int(e) + 1) * bytes_per_number

@@ -9,6 +9,8 @@ its terms cancel.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,17 @@ def zeros_of_call(shape, dtype, like: Array) -> Array:
     first = like.reshape(-1)[0].astype(dtype)
     zero = jnp.where(jnp.isfinite(first), first * 0, 0)  # 0 for any value of `first`
     return jnp.broadcast_to(zero, shape)
+
+
+def is_int(value) -> bool:
+    """Whether `value` is a Python or numpy integer; a bool is a flag, not a count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """Whether `value` is a finite Python or numpy real (not a bool): NaN and inf would pass
+    a comparison check silently (NaN as False everywhere, inf as larger than all)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def has_weight(den: Array) -> Array:

@@ -121,6 +121,9 @@ def test_rotation_preserves_inner_products(x64, rng):
     ({"d": 8, "p": 0}, "p must be a positive int"),
     ({"d": 8, "p": 2, "tile": 3}, "tile must be a positive divisor of d=8"),
     ({"d": 0, "p": 2}, "d must be a positive int"),
+    ({"d": True, "p": 2}, r"d must be a positive int, got d=True"),
+    ({"d": 8, "p": True}, r"p must be a positive int, got p=True"),
+    ({"d": 8, "p": 2, "tile": True}, r"tile must be a positive divisor of d=8, got tile=True"),
 ])
 def test_invalid_dims(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -132,3 +135,27 @@ def test_invalid_state_bytes_and_embedding_inputs():
         sympow.state_bytes(64, 2, layers=0)
     with pytest.raises(ValueError, match="x must be floating point"):
         sympow.sympow_embedding(jnp.arange(4), 2)
+
+
+def test_numpy_ints_count_as_ints():
+    assert sympow.expanded_dim(np.int64(64), np.int32(2), np.int64(1)) == 2080
+    size = sympow.state_bytes(np.int64(64), 8, layers=np.int64(12), heads=12, tile=64)
+    assert type(size) is int and size == 12 * 12 * 64**8 * 65 * 2  # no int64 wrap-around
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), [
+    ((-64, 2), {}, r"d must be a positive int, got d=-64"),
+    ((64, 2), {"e": -1}, r"e must be a positive int, got e=-1"),
+    ((64, 2), {"heads": True}, r"heads must be a positive int, got heads=True"),
+    ((64, 2), {"bytes_per_number": float("nan")},
+     r"bytes_per_number must be a finite number > 0, got bytes_per_number=nan"),
+    ((64, 2), {"bytes_per_number": float("inf")},
+     r"bytes_per_number must be a finite number > 0, got bytes_per_number=inf"),
+    ((64, 2), {"bytes_per_number": "2"},
+     r"bytes_per_number must be a finite number > 0, got bytes_per_number='2'"),
+    ((64, 2), {"bytes_per_number": 0}, r"bytes_per_number must be a finite number > 0"),
+    ((64, 2), {"bytes_per_number": True}, r"got bytes_per_number=True"),
+])
+def test_invalid_state_bytes_names_the_argument(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sympow.state_bytes(*args, **kwargs)

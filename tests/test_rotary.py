@@ -141,3 +141,50 @@ def test_rotary_and_gating_commute_with_the_kernels(rng):
         np.testing.assert_allclose(y[0, i, 0], b @ np.asarray(v[0, :i + 1, 0]) / b.sum(),
                                    rtol=2e-4, atol=2e-5)
     assert jax.numpy.all(jnp.isfinite(y))
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: sympow.learned_rotary_angles(jnp.ones((1, 4, 2)), jnp.ones((2, 8))),
+     r"theta must be \[D/2\], got shape \(2, 8\)"),
+    (lambda: sympow.fixed_rotary_angles(jnp.arange(4), jnp.ones((1, 4))),
+     r"theta must be \[D/2\], got shape \(1, 4\)"),
+    (lambda: sympow.apply_rotary(jnp.arange(8), jnp.zeros(4)),
+     r"x must be floating point, got dtype int32"),
+    (lambda: sympow.apply_rotary(jnp.float32(1.0), jnp.zeros(())),
+     r"x must be \[\.\.\., D\], got shape \(\)"),
+    (lambda: sympow.apply_rotary(jnp.zeros((2, 5, 4, 8)), jnp.zeros((2, 6, 4, 4))),
+     r"angles of shape \(2, 6, 4, 4\) must broadcast to x's \(2, 5, 4\) \+ \(4,\)"),
+    (lambda: sympow.apply_rotary(jnp.zeros((2, 5, 4, 8)), jnp.zeros((2, 5, 2, 4))),
+     r"angles of shape \(2, 5, 2, 4\) must broadcast .* x of shape \(2, 5, 4, 8\)"),
+    (lambda: sympow.apply_rotary(jnp.zeros(8), jnp.zeros((5, 4))),
+     r"angles of shape \(5, 4\) must broadcast to x's \(\) \+ \(4,\)"),
+])
+def test_rotary_shapes_and_dtypes_are_validated(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_apply_rotary_checks_under_jit_and_takes_lists():
+    angles = jnp.zeros((3, 4))
+    with pytest.raises(ValueError, match=r"angles of shape \(3, 4\) must broadcast"):
+        jax.jit(sympow.apply_rotary)(jnp.zeros((2, 8)), angles)
+    np.testing.assert_array_equal(sympow.apply_rotary([[1.0, 2.0]], [0.0]), [[1.0, 2.0]])
+    assert jax.jit(sympow.apply_rotary)(jnp.zeros((2, 3, 8)), angles[None]).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize(("d", "base", "match"), [
+    (16, "x", r"base must be a finite number > 1, got base='x'"),
+    (16, float("inf"), r"base must be a finite number > 1, got base=inf"),
+    (16, float("nan"), r"base must be a finite number > 1, got base=nan"),
+    (16, 1.0, r"base must be a finite number > 1, got base=1\.0"),
+    (True, 100.0, r"d must be a positive even int, got d=True"),
+    (8.0, 100.0, r"d must be a positive even int, got d=8\.0"),
+])
+def test_invalid_rates(d, base, match):
+    with pytest.raises(ValueError, match=match):
+        sympow.rotary_rates(d, base)
+
+
+def test_rates_take_numpy_ints():
+    np.testing.assert_array_equal(sympow.rotary_rates(np.int64(8), np.float32(100.0)),
+                                  sympow.rotary_rates(8, 100.0))

@@ -12,7 +12,6 @@ it) has no distribution to average with; its output is defined as 0 in every for
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from sympow.embedding import expanded_dim, sympow_embedding
-from sympow.numerics import HIGHEST, compute_dtype, safe_divide
+from sympow.numerics import HIGHEST, compute_dtype, is_int, safe_divide
 
 # The public layout of the op (docs/design.md §1, §5.1), as in jax.nn.dot_product_attention.
 Queries = Float[Array, "B T Hq D"]
@@ -106,7 +105,7 @@ def init_state(
     s [batch, kv_heads, F, e], z [batch, kv_heads, F], both of the floating `dtype`."""
     sizes = {"batch": batch, "kv_heads": kv_heads, "d": d, "e": e}
     for name, size in sizes.items():
-        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+        if not is_int(size) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {name}={size!r}")
     check_p(p)
     if not jnp.issubdtype(dtype, jnp.floating):
