@@ -11,7 +11,8 @@ Prints a table; exits non-zero on a failure.
 bf16: gold/ref/test of sympow.attention.testing (gold = the float32 oracle: the quadratic
 reference up to T=2048, the blocked pure-JAX attention form above). float32: relative L2
 error. Adversarial inputs (zero queries/keys, norms 1e3, log_g = 0 and -1e4, T=1): finite
-outputs and gradients that match the oracle.
+outputs and gradients that match the oracle; a NaN in q, k, v or log_g: NaN rows as the
+contract says, never zeros.
 """
 
 import functools
@@ -136,6 +137,21 @@ def check_case(testing, impl, case, dtype: str, kind: str, rng):
     return [(n, e, f"tol {tol:.0e}{' (float64 gold)' if adversarial else ''}", ok)
             for n, e, tol, ok in testing.check_fp32(
                 case, args, impl, gold_impl=None if adversarial else gold, floor=floor)]
+
+
+def check_nan_input(testing, impl, case, dtype: str, name: str, rng):
+    """One row: y's NaN rows for a NaN in input `name` at token 150 (`testing.nan_input_rows`:
+    NaN rows as the contract says, never zeros); err is the count of NaN rows seen."""
+    from sympow.attention import sympow_attention
+
+    q, k, v, log_g, _ = testing.inputs(case, rng)
+    backend, algorithm = impl
+    ok, rows = testing.nan_input_rows(
+        lambda *x: sympow_attention(*x, p=case.p, chunk_size=case.chunk, impl=backend,
+                                    algorithm=algorithm),
+        *(x.astype(dtype) for x in (q, k, v)), log_g, name, 150)
+    seen = f"NaN rows {rows[0]}-{rows[-1]}" if rows else "no NaN row"
+    return [("y", float(len(rows)), seen, ok)]
 
 
 def check_precision(testing, impl, history: str, t: int):
@@ -417,6 +433,13 @@ def selected_checks(testing, seed):
                functools.partial(check_case, testing, impl, case, dtype, kind,
                                  rng(*impl, case.name, dtype, kind)))
               for impl, case, dtype, kind in jobs if case.t <= _MAX_T.value]
+    if _ONLY.value in ("all", "edge"):  # a NaN input gives NaN rows, never zeros
+        nan_case = testing.Case(t=300, d=64, e=64, hq=4, hk=2, chunk=128)
+        checks += [(impl, nan_case.name, dtype, f"nan_{name}",
+                    functools.partial(check_nan_input, testing, impl, nan_case, dtype, name,
+                                      rng(*impl, dtype, name)))
+                   for impl in rows for dtype in ("float32", "bfloat16")
+                   for name in testing.NAN_INPUTS]
     if _ONLY.value == "precision":
         checks = [(impl, f"{history}_t{t}", "float32", "precision",
                    functools.partial(check_precision, testing, impl, history, t))

@@ -222,6 +222,30 @@ def max_err(x, y) -> float:
     return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
 
 
+NAN_INPUTS = ("q", "k", "v", "log_g")
+
+
+def nan_input_rows(attend, q, k, v, log_g, name: str, at: int) -> tuple[bool, list[int]]:
+    """(ok, the NaN rows seen in kv head 0's query heads of batch 0): whether y =
+    attend(q, k, v, log_g) with a NaN put into input `name` at token `at` of batch 0, kv
+    head 0, has the NaN rows of the contract (`sympow_attention`'s docstring), never
+    zeros: q's makes row `at` of query head 0 NaN and no other; k's, log_g's and v's make
+    every row from `at` on NaN in that kv head's query heads, k's and log_g's none before
+    it (v's may: a masked weight's 0 times NaN); the other heads and batch rows stay
+    finite."""
+    inputs = {"q": q, "k": k, "v": v, "log_g": log_g}
+    inputs[name] = inputs[name].at[0, at, 0].set(jnp.nan)
+    y = np.asarray(attend(*inputs.values()), np.float32)
+    group = q.shape[2] // k.shape[2]  # kv head 0's query heads
+    nan_rows = np.isnan(y[0, :, :group]).any(axis=(1, 2))
+    if name == "q":
+        ok = np.flatnonzero(nan_rows).tolist() == [at] and bool(np.isnan(y[0, at, 0]).all())
+    else:
+        ok = bool(nan_rows[at:].all()) and (name == "v" or not nan_rows[:at].any())
+    ok = ok and bool(np.isfinite(y[0, :, group:]).all() and np.isfinite(y[1:]).all())
+    return ok, np.flatnonzero(nan_rows).tolist()
+
+
 # Gate histories that expose decays formed as differences of large cumulative sums
 # (docs/design.md §4): fp32 error against a float64 oracle must stay at fp32 level.
 PRECISION_KINDS = ("strong_every_97", "offset_at_start", "gates_x200", "ordinary")
