@@ -49,12 +49,12 @@ from sympow.attention import (
     sympow_attention,
 )
 from sympow.layers import rotary_kernel
-from sympow.layers.linear import product, products_side_by_side
-from sympow.numerics import compute_dtype
+from sympow.layers.linear import check_input, check_valid, product, products_side_by_side
+from sympow.numerics import compute_dtype, is_finite_number
 from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
-           "KVCache", "GATE_BIAS_INIT", "check_gate_bias"]
+           "KVCache", "GATE_BIAS_INIT", "check_gate_bias", "check_layout", "check_sympow_settings"]
 
 # A layer's impl (that of sympow_attention) -> decode_step's: kernels stay kernels.
 DECODE_IMPL = {"pallas": "pallas", "xla": "reference", "reference": "reference"}
@@ -74,6 +74,14 @@ def check_gate_bias(gate_bias) -> float | None:
                          "sigmoid(W_gamma x)) or a finite real number, got "
                          f"gate_bias={gate_bias!r}")
     return float(gate_bias)
+
+
+def check_sympow_settings(*, decode_impl: str | None, **settings) -> None:
+    """`sympow.check_settings` (p, chunk_size, impl, algorithm) and decode_impl."""
+    check_settings(**settings)
+    if decode_impl is not None and decode_impl not in DECODE_IMPLS:
+        raise ValueError(f"decode_impl must be one of {DECODE_IMPLS} or None, got "
+                         f"decode_impl={decode_impl!r}")
 
 
 class SympowCache(NamedTuple):
@@ -103,19 +111,11 @@ class KVCache(NamedTuple):
     start: Array | None = None
 
 
-def _check_valid(valid: Bool[Array, "B T"] | None, t: int) -> None:
-    """The shape of a prefill's valid mask: [B, T] (its values, each row's valid tokens at its
-    end, may be traced, so they are the caller's to get right)."""
-    if valid is not None and (valid.ndim != 2 or valid.shape[1] != t):
-        raise ValueError(f"valid must be bool [B, T] with T = {t} (the prompt), got shape "
-                         f"{valid.shape}")
-
-
 def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
 
-def _check_layout(d_model: int, n_head: int, n_kv_head: int, rotary: str) -> int:
+def check_layout(d_model: int, n_head: int, n_kv_head: int, rotary: str) -> int:
     """Validate the head layout; return the head dim D."""
     for name, value in (("d_model", d_model), ("n_head", n_head), ("n_kv_head", n_kv_head)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -155,10 +155,9 @@ class Rotary(nnx.Module):
             raise ValueError(f"rotary must be one of {ROTARY_KINDS}, got rotary={kind!r}")
         if impl not in ROTARY_IMPLS:
             raise ValueError(f"rotary impl must be one of {ROTARY_IMPLS}, got impl={impl!r}")
-        self.impl = impl
-        if not base > 1:
-            raise ValueError(f"rotary_base must be > 1, got rotary_base={base!r}")
-        self.kind, self.base, self.head_dim = kind, float(base), head_dim
+        if not is_finite_number(base) or base <= 1:
+            raise ValueError(f"rotary_base must be a finite number > 1, got rotary_base={base!r}")
+        self.kind, self.base, self.head_dim, self.impl = kind, float(base), head_dim, impl
         if kind == "learned":
             self.beta_proj = nnx.Linear(
                 d_model, n_kv_head, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
@@ -251,9 +250,11 @@ class _Attention(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                  out_init_std: float | None = None, rngs: nnx.Rngs):
         n_kv_head = n_head if n_kv_head is None else n_kv_head
-        head_dim = _check_layout(d_model, n_head, n_kv_head, rotary)
-        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.gating, self.dtype = bool(gating), jnp.dtype(dtype)
+        head_dim = check_layout(d_model, n_head, n_kv_head, rotary)
+        self.d_model, self.n_head, self.n_kv_head = d_model, n_head, n_kv_head
+        if not isinstance(gating, bool):  # bool('no') would be True
+            raise ValueError(f"gating must be a bool (True or False), got gating={gating!r}")
+        self.gating, self.dtype, self.head_dim = gating, jnp.dtype(dtype), head_dim
         gate_bias = check_gate_bias(gate_bias)
         out_std = init_std if out_init_std is None else out_init_std
 
@@ -319,6 +320,7 @@ class _Attention(nnx.Module):
 
     def decode(self, x: Float[Array, "B 1 C"], cache, position: Array):
         """One token at index `position`: (output [B, 1, C], the cache after it)."""
+        check_input(x, self.d_model, one_token=True)
         q, k, v, log_g, mu = self.project(x, position=position, mu0=cache.mu)
         y, cache = self.decode_heads(q, k, v, log_g, mu, cache, position)
         return self.merge_heads(y), cache
@@ -344,10 +346,8 @@ class SympowAttention(_Attention):
                  chunk_size: int | None = None, impl: str | None = None,
                  algorithm: str | None = None, decode_impl: str | None = None,
                  rngs: nnx.Rngs, **kwargs):
-        check_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm)
-        if decode_impl is not None and decode_impl not in DECODE_IMPLS:
-            raise ValueError(f"decode_impl must be one of {DECODE_IMPLS} or None, got "
-                             f"decode_impl={decode_impl!r}")
+        check_sympow_settings(p=p, chunk_size=chunk_size, impl=impl, algorithm=algorithm,
+                              decode_impl=decode_impl)
         super().__init__(d_model, n_head, n_kv_head, rngs=rngs, **kwargs)
         self.p, self.chunk_size, self.impl, self.algorithm = p, chunk_size, impl, algorithm
         if decode_impl is None and impl is not None:
@@ -355,6 +355,7 @@ class SympowAttention(_Attention):
         self.decode_impl = decode_impl
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        check_input(x, self.d_model)
         q, k, v, log_g, _ = self.project(x, rotary_layout=self._rotary_layout(x.shape[1]))
         y = sympow_attention(q, k, v, log_g, p=self.p, chunk_size=self.chunk_size,
                              impl=self.impl, algorithm=self.algorithm)  # [B, T, Hq, E]
@@ -372,7 +373,8 @@ class SympowAttention(_Attention):
         positions changes nothing.
         """
         del max_length
-        _check_valid(valid, x.shape[1])
+        check_input(x, self.d_model)
+        check_valid(valid, x)
         q, k, v, log_g, mu = self.project(
             x, rotary_layout=self._rotary_layout(x.shape[1], need_state=True))
         if valid is not None:
@@ -404,8 +406,7 @@ class SympowAttention(_Attention):
         """An empty cache (no context); the state is float32 (float64 for float64 compute)."""
         del max_length
         dtype = compute_dtype(self.dtype)
-        state = init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p,
-                                  dtype=dtype)
+        state = init_state(batch, self.n_kv_head, self.head_dim, self.head_dim, self.p, dtype=dtype)
         mu = jnp.zeros((batch, self.n_kv_head), jnp.float32)
         return SympowCache(state, mu if self.rotary.kind == "learned" else None)
 
@@ -420,9 +421,8 @@ class SoftmaxAttention(_Attention):
 
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, *,
                  rotary: str = "fixed", gating: bool = False, rngs: nnx.Rngs, **kwargs):
-        if gating:
-            raise ValueError("gating=True is only defined for sympow attention; the softmax "
-                             "baseline takes gating=False")
+        if gating is not False:  # the gate is sympow's
+            raise ValueError(f"the softmax baseline takes gating=False, got gating={gating!r}")
         super().__init__(d_model, n_head, n_kv_head, rotary=rotary, rngs=rngs, **kwargs)
 
     def _implementation(self) -> str:
@@ -430,6 +430,7 @@ class SoftmaxAttention(_Attention):
         return "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        check_input(x, self.d_model)
         q, k, v, _, _ = self.project(x)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=self._implementation())  # [B,T,Hq,E]
@@ -444,11 +445,12 @@ class SoftmaxAttention(_Attention):
         padding key; a padding query sees only itself (finite, and discarded), through an
         explicit mask and the 'xla' implementation; the cache records each row's start.
         """
+        check_input(x, self.d_model)
         b, t, _ = x.shape
-        if max_length < t:
-            raise ValueError(f"max_length must be >= the prompt length {t}, got "
-                             f"max_length={max_length}")
-        _check_valid(valid, t)
+        if not isinstance(max_length, numbers.Integral) or max_length < t:
+            raise ValueError(f"max_length must be an int >= the prompt length {t}, got "
+                             f"max_length={max_length!r}")
+        check_valid(valid, x)
         q, k, v, _, mu = self.project(x)
         if valid is None:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True,

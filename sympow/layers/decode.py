@@ -18,6 +18,7 @@ shift changes no output.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -28,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from sympow.layers import fused_decode
 
-__all__ = ["GPTCache", "prefill", "decode_step", "generate", "PAD_ID"]
+__all__ = ["GPTCache", "prefill", "decode_step", "generate", "check_tokens", "PAD_ID"]
 
 PAD_ID = -1  # generate's filler after each row's tokens (prompt_lengths): no token id
 
@@ -45,6 +46,21 @@ class GPTCache(NamedTuple):
     position: Array
 
 
+def check_tokens(tokens, *, name: str = "tokens", batch: int | None = None) -> None:
+    """ValueError unless tokens is an integer array [B, T] with T >= 1, or (batch given) [B]
+    with B = batch. Shapes and dtype only: the ids may be traced, so ids in [0, V) are the
+    caller's to get right (nnx.Embed reads an id outside as NaN)."""
+    shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
+    if batch is None:
+        ok, want = shape is not None and len(shape) == 2 and shape[1] >= 1, "[B, T] with T >= 1"
+    else:
+        ok, want = shape == (batch,), f"[B] with B = {batch}, the cache's batch"
+    if not ok or not jnp.issubdtype(dtype, jnp.integer):
+        got = (f"shape {shape} and dtype {dtype}" if shape is not None
+               else f"of type {type(tokens).__name__}")
+        raise ValueError(f"{name} must be int {want} (ids in [0, V)), got {got}")
+
+
 def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,
             valid: Bool[Array, "B T"] | None = None, last_only: bool = False
             ) -> tuple[Float[Array, "B T V"] | Float[Array, "B V"], GPTCache]:
@@ -57,6 +73,7 @@ def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,
     last_only: the logits of the last position only, [B, V]: what decoding needs (the
     [B, T, V] logits of 16 prompts of 65,536 tokens are 105 GB in bf16).
     """
+    check_tokens(tokens)
     x, cache = _prefill_hidden(model, tokens, max_length, valid)
     return (model.head(x[:, -1:])[:, 0] if last_only else model.head(x)), cache
 
@@ -85,6 +102,11 @@ def decode_step(model, token: Int[Array, " B"], cache: GPTCache, *, weights=None
     outputs up to rounding, several times fewer kernels a step); products: how it computes
     them (`decode_linear.LINEAR_IMPLS`).
     """
+    if len(cache.layers) != len(model.blocks):
+        raise ValueError(f"cache must hold one layer cache per block ({len(model.blocks)}), "
+                         f"got {len(cache.layers)}: make it with model.prefill or init_cache")
+    # every leaf of a layer cache is [B, ...]
+    check_tokens(token, name="token", batch=jax.tree.leaves(cache.layers[0])[0].shape[0])
     x = model.embed(token[:, None])  # [B, 1, C]
     if weights is not None:
         x, caches = fused_decode.fused_blocks(model, weights, x[:, 0], cache.layers,
@@ -184,6 +206,7 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     """Continue `prompt` by max_new_tokens tokens: prefill, then a jit-compiled lax.scan of
     decode steps. temperature 0 = greedy (argmax); > 0 samples softmax(logits / temperature)
     with `rng` (a jax.random key). Returns int32 [B, T + max_new_tokens], prompt first.
+    prompt: integer ids in [0, vocab_size) (checked unless traced).
 
     top_k: sample among the top_k most likely tokens only (0: all; ignored when greedy).
     vocab_limit: never produce ids >= vocab_limit (e.g. GPT-2's 50,257 tokens under a
@@ -210,8 +233,7 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got temperature={temperature!r}")
+    temperature = _check_temperature(temperature)
     vocab = model.config.vocab_size
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab:
         raise ValueError(f"top_k must be an int in [0, {vocab}] (the vocabulary), got "
@@ -225,11 +247,7 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     greedy = temperature == 0
     if not greedy and rng is None:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
-    prompt = jnp.asarray(prompt, jnp.int32)
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must be int [B, T] with T >= 1, got shape {prompt.shape}")
-    if prompt_lengths is not None:
-        prompt_lengths = _check_lengths(prompt_lengths, prompt.shape)
+    prompt, prompt_lengths = _check_prompt(prompt, prompt_lengths, vocab)
     reason = fused_decode.fused_decode_reason(model, prompt.shape[0])
     if fused is None:
         fused = jax.default_backend() == "gpu" and reason is None
@@ -243,6 +261,54 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     if _is_pytree(model):
         return _generate_pytree(model, *args, **static)
     return _generate_split(*nnx.split(model), *args, **static)
+
+
+def _check_temperature(temperature) -> float:
+    """temperature as a Python float: it chooses greedy or sampling (two compilations), so
+    it must be a real scalar known on the host (Python, NumPy or concrete JAX), finite, >= 0."""
+    value = None
+    if not isinstance(temperature, bool):
+        try:  # a traced value cannot become a Python float: the same error as a string's
+            dtype = np.asarray(temperature).dtype
+            if np.ndim(temperature) == 0 and (jnp.issubdtype(dtype, jnp.integer)
+                                              or jnp.issubdtype(dtype, jnp.floating)):
+                value = float(temperature)
+        except (TypeError, jax.errors.TracerArrayConversionError):
+            pass
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError("temperature must be a finite real number >= 0 (a Python float, or "
+                         f"a NumPy or concrete JAX scalar), got temperature={temperature!r}")
+    return value
+
+
+def _host_values(x):
+    """x as a NumPy array, or None where it is traced (its values are not known yet)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _check_prompt(prompt, lengths, vocab: int) -> tuple[Array, Array | None]:
+    """(prompt as int32 [B, T], prompt_lengths as `_check_lengths`'s or None); ValueError
+    unless prompt is integer [B, T] with T >= 1 and, where known on the host (not traced),
+    its ids (those of each row's first prompt_lengths tokens) lie in [0, vocab)."""
+    host = _host_values(prompt)
+    values = prompt if host is None else host
+    if values.ndim != 2 or values.shape[1] < 1 or not jnp.issubdtype(values.dtype, jnp.integer):
+        raise ValueError(f"prompt must be int [B, T] with T >= 1, got shape {values.shape} "
+                         f"and dtype {values.dtype}")
+    if lengths is not None:
+        lengths = _check_lengths(lengths, values.shape)
+    lengths_host = None if lengths is None else _host_values(lengths)
+    if host is not None and (lengths is None or lengths_host is not None):
+        # the padding after a row's length may hold any ids
+        real = host if lengths is None else host[
+            np.arange(host.shape[1]) < lengths_host[:, None]]
+        if real.size and (real.min() < 0 or real.max() >= vocab):
+            raise ValueError(f"prompt ids must lie in [0, {vocab}) (the vocabulary), got ids "
+                             f"in [{int(real.min())}, {int(real.max())}]")
+    return jnp.asarray(prompt, jnp.int32), lengths
 
 
 def _check_lengths(lengths, shape) -> Array:

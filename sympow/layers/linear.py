@@ -3,7 +3,8 @@ the MLP's bias + GELU recomputed in the backward.
 
 A layer that adds a Linear's bias somewhere else than right after the product (inside a
 kernel, or inside the GELU's fusion) takes the product from `product` and the bias from the
-module; the numbers are those of `linear(x)`.
+module; the numbers are those of `linear(x)`. Also the shape checks of the layers' inputs
+(`check_input`, `check_valid`), kept here to keep the layers' module short.
 """
 
 from __future__ import annotations
@@ -15,7 +16,35 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-__all__ = ["bias_gelu", "product", "products_side_by_side"]
+__all__ = ["bias_gelu", "check_input", "check_valid", "product", "products_side_by_side"]
+
+
+def _shape_of(x) -> str:
+    """x's shape and dtype, or its type where it has none (a list, None)."""
+    if not hasattr(x, "shape"):
+        return f"of type {type(x).__name__}"
+    return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def check_input(x, d_model: int, *, one_token: bool = False) -> None:
+    """ValueError unless x is [B, T, C] with C = d_model and T >= 1 (one_token: T = 1, a
+    decoding step's). Shapes only: x may be traced."""
+    shape = getattr(x, "shape", ())
+    if len(shape) != 3 or shape[2] != d_model or shape[1] < 1 or (one_token and shape[1] != 1):
+        want = "[B, 1, C] with C = d_model = {} (one token)" if one_token else (
+            "[B, T, C] with C = d_model = {} and T >= 1")
+        raise ValueError(f"x must be {want.format(d_model)}, got {_shape_of(x)}")
+
+
+def check_valid(valid, x) -> None:
+    """ValueError unless a prefill's valid mask is None or bool [B, T] like x [B, T, C] (its
+    values, each row's valid tokens at its end, may be traced: the caller's to get right)."""
+    if valid is None:
+        return
+    b, t = x.shape[:2]
+    if getattr(valid, "shape", None) != (b, t) or valid.dtype != jnp.bool_:
+        raise ValueError(f"valid must be bool [B, T] with T = {t} and B = {b} (the prompt), "
+                         f"got {_shape_of(valid)}")
 
 
 def product(linear: nnx.Linear, x: Float[Array, "... C"],

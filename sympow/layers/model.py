@@ -5,7 +5,7 @@ biases, output head tied to the token embedding) with rotary instead of a positi
 table and an extra LayerNorm after the token embedding.
 
     model = GPT(GPTConfig.preset("conformal", size="small", p=4), rngs=nnx.Rngs(0))
-    logits = model(tokens)                       # int [B, T] -> float32 [B, T, vocab]
+    logits = model(tokens)                       # ids [B, T] in [0, V) -> float32 [B, T, V]
     logits, cache = model.prefill(tokens)        # forward + recurrent state
     logits, cache = model.decode_step(tok, cache)  # one token, O(1) in the context length
 """
@@ -13,6 +13,8 @@ table and an extra LayerNorm after the token embedding.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import jax
@@ -27,6 +29,8 @@ from sympow.layers.attention import (
     SoftmaxAttention,
     SympowAttention,
     check_gate_bias,
+    check_layout,
+    check_sympow_settings,
 )
 from sympow.layers.linear import bias_gelu, product
 from sympow.numerics import compute_dtype
@@ -79,6 +83,8 @@ class GPTConfig:
     rotary: 'none' | 'fixed' | 'learned'; rotary_base: N in theta_j = 2 pi / N^(2j/D).
     chunk_size, impl, algorithm: passed to `sympow.sympow_attention` (None = choose).
     decode_impl: `sympow.decode_step`'s impl (None follows impl; see `SympowAttention`).
+      The sympow fields (p, chunk_size, impl, algorithm, decode_impl) are checked whatever
+      the attention: a wrong value is an error, never silently ignored.
     dtype: compute dtype; param_dtype: parameter dtype (e.g. 'bfloat16' and 'float32').
     max_length: KV-cache rows of the softmax baseline when prefill gets no max_length.
     mlp_ratio: MLP hidden width / d_model. layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
@@ -115,6 +121,14 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        for name in ("layer_norm_eps", "init_std"):  # nan or <= 0: NaN or all-zero weights
+            value = getattr(self, name)
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not (math.isfinite(value) and value > 0)):
+                raise ValueError(f"{name} must be a finite number > 0, got {name}={value!r}")
+        check_layout(self.d_model, self.n_head, self.kv_heads, self.rotary)
+        check_sympow_settings(p=self.p, chunk_size=self.chunk_size, impl=self.impl,
+                              algorithm=self.algorithm, decode_impl=self.decode_impl)
         object.__setattr__(self, "gate_bias", check_gate_bias(self.gate_bias))
 
     @classmethod
@@ -243,6 +257,9 @@ class GPT(nnx.Module):
         return tied_logits(x, self.wte.embedding[...].astype(x.dtype))
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        """Logits of every position; token ids must lie in [0, vocab_size) (not checked: they
+        may be traced; an id outside gives NaN logits)."""
+        decode.check_tokens(tokens)
         x = self.embed(tokens)  # [B, T, C]
         for block in self.blocks:
             x = block(x)
@@ -285,13 +302,21 @@ def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None
     softmax: the KV cache, n_layer * context * Hk * 2 D numbers, context None =
       config.max_length; bytes_per_number None = the compute dtype's.
     """
+    for name, value in (("batch", batch), ("context", context),
+                        ("bytes_per_number", bytes_per_number)):
+        if name != "batch" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            optional = "" if name == "batch" else "None or "
+            raise ValueError(f"{name} must be {optional}a positive int, got {name}={value!r}")
     d, hk = config.head_dim, config.kv_heads
     if config.attention == "sympow":
-        per_number = bytes_per_number or compute_dtype(jnp.dtype(config.dtype)).itemsize
+        per_number = (compute_dtype(jnp.dtype(config.dtype)).itemsize
+                      if bytes_per_number is None else bytes_per_number)
         return batch * embedding.state_bytes(d, config.p, e=d, layers=config.n_layer, heads=hk,
                                           bytes_per_number=per_number)
     context = config.max_length if context is None else context
-    per_number = bytes_per_number or jnp.dtype(config.dtype).itemsize
+    per_number = jnp.dtype(config.dtype).itemsize if bytes_per_number is None else bytes_per_number
     return batch * config.n_layer * context * hk * 2 * d * per_number
 
 

@@ -3,6 +3,8 @@ softmax implementation choice)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +105,76 @@ def test_invalid_decode_impl_raises():
     with pytest.raises(ValueError, match=r"decode_impl must be one of \('pallas', 'reference'\) "
                                          r"or None, got decode_impl='xla'"):
         SympowAttention(32, 4, decode_impl="xla", rngs=nnx.Rngs(0))
+
+
+# --- input errors ----------------------------------------------------------------------------
+
+
+def _layers():
+    return (SympowAttention(32, 4, 2, chunk_size=4, rngs=nnx.Rngs(0)),
+            SoftmaxAttention(32, 4, 2, rngs=nnx.Rngs(0)))
+
+
+def test_gating_must_be_a_bool():
+    """bool('no') is True: a flag that is not a bool is an error, not a guess."""
+    for value in ("no", 1):
+        with pytest.raises(ValueError, match=rf"gating must be a bool .*got gating={value!r}"):
+            SympowAttention(32, 4, gating=value, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=r"softmax baseline takes gating=False, got "
+                                             rf"gating={value!r}"):
+            SoftmaxAttention(32, 4, gating=value, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (2, 32), (2, 5, 1, 32), (2, 0, 32)])
+def test_inputs_of_another_shape_raise(shape):
+    x = jnp.zeros(shape, jnp.float32)
+    for layer in _layers():
+        for call in (layer, functools.partial(layer.prefill, max_length=8)):
+            with pytest.raises(ValueError, match=r"x must be \[B, T, C\] with C = d_model = "
+                                                 rf"32 and T >= 1, got shape \({shape[0]}, "):
+                call(x)
+
+
+def test_decode_takes_one_token():
+    x = jnp.zeros((1, 2, 32), jnp.float32)
+    for layer in _layers():
+        cache = layer.init_cache(1, 8)
+        with pytest.raises(ValueError, match=r"x must be \[B, 1, C\] with C = d_model = 32 "
+                                             r"\(one token\), got shape \(1, 2, 32\)"):
+            layer.decode(x, cache, jnp.int32(0))
+
+
+def test_prefill_valid_must_be_a_bool_mask_like_x():
+    x = jnp.zeros((2, 5, 32), jnp.float32)
+    for layer in _layers():
+        for valid, got in ((jnp.ones((3, 5), bool), r"shape \(3, 5\) and dtype bool"),
+                           ([[True] * 5] * 2, "of type list"),
+                           (jnp.ones((2, 5), jnp.int32), r"shape \(2, 5\) and dtype int32")):
+            with pytest.raises(ValueError, match=r"valid must be bool \[B, T\] with T = 5 and "
+                                                 rf"B = 2 \(the prompt\), got {got}"):
+                layer.prefill(x, max_length=8, valid=valid)
+
+
+def test_softmax_prefill_needs_an_int_max_length():
+    layer = SoftmaxAttention(32, 4, rngs=nnx.Rngs(0))
+    for bad in (None, 4, 6.0):
+        with pytest.raises(ValueError, match=r"max_length must be an int >= the prompt length "
+                                             rf"5, got max_length={bad!r}"):
+            layer.prefill(jnp.zeros((1, 5, 32)), max_length=bad)
+
+
+def test_input_checks_hold_under_jit():
+    """The checks read static shapes only: a jitted call runs, and a bad shape still raises."""
+    layer = _layers()[0]
+    run = nnx.jit(lambda layer, x: layer(x))
+    assert run(layer, jnp.zeros((1, 4, 32))).shape == (1, 4, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        run(layer, jnp.zeros((1, 4, 16)))
+
+
+@pytest.mark.parametrize("base", [1.0, float("inf"), float("nan"), "65536"])
+def test_rotary_base_must_be_a_finite_number_above_one(base):
+    """inf would pass `base > 1` and rotate every pair but the first by nothing."""
+    with pytest.raises(ValueError, match=r"rotary_base must be a finite number > 1, got "
+                                         r"rotary_base="):
+        SympowAttention(32, 2, rotary="learned", rotary_base=base, rngs=nnx.Rngs(0))

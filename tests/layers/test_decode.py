@@ -221,3 +221,69 @@ def test_generate_top_k_and_vocab_limit():
                           (dict(vocab_limit=VOCAB + 1), "vocab_limit")):
         with pytest.raises(ValueError, match=match):
             generate(model, prompt, 2, **kwargs)
+
+
+# --- input errors ----------------------------------------------------------------------------
+
+
+def test_generate_temperature_must_be_a_finite_real_scalar():
+    model = randomized(tiny("sympow"))
+    prompt = tokens(17, (2, 4))
+    for bad in (float("nan"), float("inf"), -0.5, "0.5", True, jnp.ones(2)):
+        with pytest.raises(ValueError, match=r"temperature must be a finite real number >= 0 "
+                                             r".*got temperature="):
+            generate(model, prompt, 2, temperature=bad, rng=jax.random.key(0))
+    # NumPy and concrete JAX scalars are taken as the Python float
+    want = generate(model, prompt, 3, temperature=0.5, rng=jax.random.key(5))
+    for value in (np.float32(0.5), jnp.float32(0.5), jnp.asarray(0.5, jnp.bfloat16)):
+        got = generate(model, prompt, 3, temperature=value, rng=jax.random.key(5))
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(generate(model, prompt, 3, temperature=jnp.int32(0)),
+                                  generate(model, prompt, 3))
+
+
+def test_generate_rejects_prompts_of_bad_ids_or_dtype():
+    model = randomized(tiny("sympow"))
+    prompt = np.asarray(tokens(18, (2, 4)))
+    for bad, match in ((prompt.astype(np.float32), r"prompt must be int \[B, T\] with T >= 1, "
+                                                   r"got shape \(2, 4\) and dtype float32"),
+                       (prompt[0], r"got shape \(4,\)"), (prompt[:, :0], r"got shape \(2, 0\)"),
+                       (np.where(prompt == prompt[0, 0], VOCAB, prompt), r"prompt ids must lie "
+                        rf"in \[0, {VOCAB}\) \(the vocabulary\), got ids in \[\d+, {VOCAB}\]"),
+                       (prompt - 100, r"prompt ids must lie in \[0, 48\)")):
+        with pytest.raises(ValueError, match=match):
+            generate(model, bad, 2)
+    # Padding after prompt_lengths may hold any ids (PAD_ID included): only real ones count.
+    padded = prompt.copy()
+    padded[0, 2:] = PAD_ID
+    out = generate(model, padded, 2, prompt_lengths=[2, 4])
+    np.testing.assert_array_equal(out[0, :4], generate(model, padded[:1, :2], 2)[0])
+    with pytest.raises(ValueError, match=r"prompt ids must lie in \[0, 48\)"):
+        generate(model, padded, 2, prompt_lengths=[3, 4])
+
+
+def test_model_calls_reject_tokens_of_bad_shape_or_dtype():
+    model = randomized(tiny("conformal"))
+    toks = tokens(19, (2, 5))
+    for bad, got in ((toks[0], r"shape \(5,\) and dtype int32"),
+                     (toks[:, :0], r"shape \(2, 0\) and dtype int32"),
+                     (toks.astype(jnp.float32), r"shape \(2, 5\) and dtype float32")):
+        for call in (model, model.prefill):
+            with pytest.raises(ValueError, match=rf"tokens must be int \[B, T\] with T >= 1 "
+                                                 rf"\(ids in \[0, V\)\), got {got}"):
+                call(bad)
+
+
+def test_decode_step_checks_token_and_cache():
+    model = randomized(tiny("conformal"))
+    _, cache = model.prefill(tokens(20, (2, 5)))
+    for bad, got in ((jnp.zeros((3,), jnp.int32), r"shape \(3,\)"),
+                     (jnp.zeros((2, 1), jnp.int32), r"shape \(2, 1\)"),
+                     (jnp.zeros((2,), jnp.float32), r"shape \(2,\) and dtype float32")):
+        with pytest.raises(ValueError, match=r"token must be int \[B\] with B = 2, the cache's "
+                                             rf"batch \(ids in \[0, V\)\), got {got}"):
+            model.decode_step(bad, cache)
+    short = cache._replace(layers=cache.layers[:1])
+    with pytest.raises(ValueError, match=r"cache must hold one layer cache per block \(2\), "
+                                         r"got 1"):
+        model.decode_step(jnp.zeros((2,), jnp.int32), short)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import sympow
-from sympow.layers import GPT, PRESETS, SIZES, GPTConfig, model_report
+from sympow.layers import GPT, PRESETS, SIZES, GPTConfig, model_report, state_bytes
 from sympow.layers.model import preset_name, tied_logits
 from tests.layers.helpers import (
     VARIANTS,
@@ -169,8 +169,18 @@ def test_tied_logits_bf16_backward_runs_bf16_products_on_the_rounded_cotangent()
     (dict(impl="cuda"), "impl must be one of"),
     (dict(algorithm="flash"), "algorithm must be one of"),
     (dict(chunk_size=0), "chunk_size must be a positive int"),
-    (dict(attention="softmax", gating=True), "gating=True is only defined for sympow"),
+    (dict(attention="softmax", gating=True), "softmax baseline takes gating=False"),
     (dict(vocab_size=0), "vocab_size must be a positive int"),
+    (dict(layer_norm_eps=0.0), r"layer_norm_eps must be a finite number > 0, got "
+                               r"layer_norm_eps=0.0"),
+    (dict(layer_norm_eps=math.nan), "layer_norm_eps must be a finite number > 0"),
+    (dict(init_std=math.nan), r"init_std must be a finite number > 0, got init_std=nan"),
+    (dict(init_std=-0.02), "init_std must be a finite number > 0"),
+    (dict(init_std=0), "init_std must be a finite number > 0"),
+    # the sympow fields are checked whatever the attention
+    (dict(attention="softmax", gating=False, p=3), "p must be a positive even int"),
+    (dict(attention="softmax", gating=False, chunk_size=0), "chunk_size must be a positive int"),
+    (dict(attention="softmax", gating=False, decode_impl="xla"), "decode_impl must be one of"),
 ])
 def test_invalid_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -277,3 +287,26 @@ def test_state_bytes_consistent_with_sympow_and_cache():
                 for layer in cache.layers]
         held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held))
         assert model.state_bytes(batch=3, context=20) == held
+
+
+def test_invalid_configs_raise_at_construction():
+    """A config is checked when made (state_bytes and model_report read it without a model)."""
+    with pytest.raises(ValueError, match=r"d_model must be divisible by n_head, got "
+                                         r"d_model=32, n_head=3"):
+        GPTConfig(n_head=3, d_model=32)
+    with pytest.raises(ValueError, match=r"p must be a positive even int"):
+        GPTConfig(attention="softmax", p=3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch=-3), r"batch must be a positive int, got batch=-3"),
+    (dict(batch=0), r"batch must be a positive int, got batch=0"),
+    (dict(context=-5), r"context must be None or a positive int, got context=-5"),
+    (dict(bytes_per_number=0), r"bytes_per_number must be None or a positive int, got "
+                               r"bytes_per_number=0"),
+    (dict(bytes_per_number=2.5), r"bytes_per_number must be None or a positive int"),
+])
+@pytest.mark.parametrize("variant", ["sympow", "softmax"])
+def test_state_bytes_rejects_bad_arguments(variant, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        state_bytes(tiny(variant), **kwargs)
