@@ -247,6 +247,8 @@ def generate(model, prompt: Int[Array, "B T"], max_new_tokens: int, *,
     greedy = temperature == 0
     if not greedy and rng is None:
         raise ValueError("rng (a jax.random key) is required when temperature > 0")
+    if rng is not None and not hasattr(rng, "dtype"):  # an int seed is not a key
+        raise ValueError(f"rng must be a jax.random key (jax.random.key(seed)), got rng={rng!r}")
     prompt, prompt_lengths = _check_prompt(prompt, prompt_lengths, vocab)
     reason = fused_decode.fused_decode_reason(model, prompt.shape[0])
     if fused is None:

@@ -204,7 +204,10 @@ def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict
     path = Path(workdir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"workdir: {workdir} has no {CONFIG_FILE} (not a training run?)")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"workdir: {path} is not a readable JSON config ({error})") from error
 
 
 def diff(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -240,6 +240,8 @@ def test_generate_temperature_must_be_a_finite_real_scalar():
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(generate(model, prompt, 3, temperature=jnp.int32(0)),
                                   generate(model, prompt, 3))
+    with pytest.raises(ValueError, match=r"rng must be a jax.random key .*got rng=0"):
+        generate(model, prompt, 2, temperature=0.5, rng=0)
 
 
 def test_generate_rejects_prompts_of_bad_ids_or_dtype():

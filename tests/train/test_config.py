@@ -69,6 +69,15 @@ def test_workdir_copy_round_trip_and_diff(tmp_path):
         configlib.load_workdir_config(tmp_path / "elsewhere")
 
 
+def test_a_corrupt_workdir_config_names_its_file(tmp_path):
+    """A config.json cut short (an interrupted copy) is a ValueError naming the file, not a
+    bare JSONDecodeError."""
+    (tmp_path / configlib.CONFIG_FILE).write_text('{"steps": 10, "name"')
+    with pytest.raises(ValueError, match=r"workdir: .*config.json is not a readable JSON "
+                                         r"config \(Expecting"):
+        configlib.load_workdir_config(tmp_path)
+
+
 @pytest.mark.parametrize("override, match", [
     ("variant=flash", r"variant: 'flash' not in \['conformal', 'softmax', 'sympow', "
                       r"'sympow_gating'\]; choose it with the config arg"),
