@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -50,7 +49,7 @@ from sympow.attention import (
 )
 from sympow.layers import rotary_kernel
 from sympow.layers.linear import check_input, check_valid, product, products_side_by_side
-from sympow.numerics import compute_dtype, is_finite_number
+from sympow.numerics import compute_dtype, is_finite_number, is_int
 from sympow.rotary import apply_rotary, fixed_rotary_angles, learned_rotary_angles, rotary_rates
 
 __all__ = ["ROTARY_KINDS", "Rotary", "SympowAttention", "SoftmaxAttention", "SympowCache",
@@ -68,8 +67,7 @@ def check_gate_bias(gate_bias) -> float | None:
     """``gate_bias`` as a float, or None; ValueError unless None or a finite real number."""
     if gate_bias is None:
         return None
-    if (not isinstance(gate_bias, numbers.Real) or isinstance(gate_bias, bool)
-            or not math.isfinite(gate_bias)):
+    if not is_finite_number(gate_bias):
         raise ValueError("gate_bias must be None (no bias: the papers' gate "
                          "sigmoid(W_gamma x)) or a finite real number, got "
                          f"gate_bias={gate_bias!r}")
@@ -447,7 +445,7 @@ class SoftmaxAttention(_Attention):
         """
         check_input(x, self.d_model)
         b, t, _ = x.shape
-        if not isinstance(max_length, numbers.Integral) or max_length < t:
+        if not is_int(max_length) or max_length < t:
             raise ValueError(f"max_length must be an int >= the prompt length {t}, got "
                              f"max_length={max_length!r}")
         check_valid(valid, x)

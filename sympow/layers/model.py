@@ -13,8 +13,6 @@ table and an extra LayerNorm after the token embedding.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any
 
 import jax
@@ -33,7 +31,7 @@ from sympow.layers.attention import (
     check_sympow_settings,
 )
 from sympow.layers.linear import bias_gelu, product
-from sympow.numerics import compute_dtype
+from sympow.numerics import compute_dtype, is_finite_number, is_int
 
 __all__ = ["GPT", "GPTConfig", "Block", "PRESETS", "SIZES", "ModelReport", "model_report",
            "preset_name", "tied_logits"]
@@ -123,8 +121,7 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
         for name in ("layer_norm_eps", "init_std"):  # nan or <= 0: NaN or all-zero weights
             value = getattr(self, name)
-            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                    or not (math.isfinite(value) and value > 0)):
+            if not is_finite_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {name}={value!r}")
         check_layout(self.d_model, self.n_head, self.kv_heads, self.rotary)
         check_sympow_settings(p=self.p, chunk_size=self.chunk_size, impl=self.impl,
@@ -306,7 +303,7 @@ def state_bytes(config: GPTConfig, *, batch: int = 1, context: int | None = None
                         ("bytes_per_number", bytes_per_number)):
         if name != "batch" and value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             optional = "" if name == "batch" else "None or "
             raise ValueError(f"{name} must be {optional}a positive int, got {name}={value!r}")
     d, hk = config.head_dim, config.kv_heads
