@@ -17,9 +17,11 @@ their fast path). A pair (x_1, x_2) is lanes (2j, 2j + 1), loaded as two strided
 An optional bias b [H, D] is added as the rows load (x + b in place of x above): the
 projections' bias of q and k, which XLA otherwise adds in a pass of its own before a kernel
 it cannot fuse into (1.68 ms of a GPT-2 small step at 65,536 tokens on an H100). Its
-cotangent, the sum of dx over the rows, is XLA's reduction of dx, as autodiff of the add
-had it: summed in the backward kernel (a float32 partial sum per program) it made the
-kernel 28 % slower, more than the pass it saved (docs/kernels.md).
+cotangent, the sum of dx over the rows, comes from the backward kernel: each program's
+float32 sum of its rows' dx per head, before dx is rounded to x's dtype ([B, row blocks,
+H, D]; XLA adds those). XLA's reduction of the returned dx, which this replaces, read dx
+once more and summed its bf16 rounding (kernel sums with the lane-swap product of before
+measured 28 % slower; docs/kernels.md).
 
 The strided halves replaced a product with a 0/1 lane-swap matrix on the tensor cores
 (Triton has no cheap lane shuffle; the product's operands went through shared memory): on
@@ -194,14 +196,14 @@ def _rotate_fwd(setup, xs, mu, biases):
 
 def _rotate_bwd(setup, res, dys):
     xs, mu, biases = res
-    *dxs, dmu = _call(setup, "backward", xs, mu,
-                      tuple(dy.astype(x.dtype) for dy, x in zip(dys, xs, strict=True)),
-                      biases=biases)
-    # d(x + b) summed over rows: XLA's reduction of dx (in the kernel it cost more than it
-    # saved: docs/kernels.md)
+    outs = _call(setup, "backward", xs, mu,
+                 tuple(dy.astype(x.dtype) for dy, x in zip(dys, xs, strict=True)),
+                 biases=biases)
+    dxs, dmu, sums = outs[:len(xs)], outs[len(xs)], iter(outs[len(xs) + 1:])
+    # d(x + b) summed over rows: the kernel's float32 sums of each block of rows [B, blocks,
+    # H, D], summed here
     dbiases = tuple(None if bias is None
-                    else jnp.sum(dx.astype(F32), axis=(0, 1)).astype(bias.dtype)
-                    for dx, bias in zip(dxs, biases, strict=True))
+                    else jnp.sum(next(sums), axis=(0, 1)).astype(bias.dtype) for bias in biases)
     return tuple(dxs), dmu, dbiases
 
 
@@ -259,6 +261,11 @@ def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[
         out_specs.append(pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)))
         out_shape = [jax.ShapeDtypeStruct((b, padded, *x.shape[2:]), x.dtype) for x in xs]
         out_shape.append(jax.ShapeDtypeStruct((b, padded, hk), F32))
+        for x, group, has in zip(xs, groups, shifted, strict=True):  # the bias sums
+            if has:  # [B, row blocks, H_a, D]: a program's rows summed per head
+                out_specs.append(pl.BlockSpec((None, None, kb * group, d),
+                                              lambda j, i, n: (j, i, n, 0)))
+                out_shape.append(jax.ShapeDtypeStruct((b, padded // bt, x.shape[2], d), F32))
         kernel = _backward_kernel
     kernel = functools.partial(kernel, groups=groups, kv_heads=kb, shifted=shifted,
                                heads_major=setup.heads_major, approx=not setup.interpret)
@@ -356,7 +363,8 @@ def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     dy_refs, x_refs = refs[:n], refs[n:2 * n]
     mu_ref, turns_ref, theta_ref = refs[2 * n:2 * n + 3]
     bias_refs, out_refs = _take_biases(refs[2 * n + 3:], shifted)
-    *dx_refs, dmu_ref = out_refs
+    dx_refs, dmu_ref = out_refs[:n], out_refs[n]
+    sum_refs, _ = _take_biases(out_refs[n + 1:], shifted)  # [H_a, D] each
     lanes = _lanes(x_refs[0].shape[-1])
     theta = theta_ref[...]  # [1, D/2]
     for j in range(kv_heads):
@@ -364,8 +372,11 @@ def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
         dmu = None
         for a, head in _heads(groups, j):
             dy1, dy2 = (_load(dy_refs[a], head, half, heads_major) for half in lanes)
-            _store(dx_refs[a], head, lanes[0], dy1 * cos + dy2 * sin)  # the transpose
-            _store(dx_refs[a], head, lanes[1], dy2 * cos - dy1 * sin)
+            dx = (dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin)  # the transpose
+            for lane, dx_half in zip(lanes, dx, strict=True):
+                _store(dx_refs[a], head, lane, dx_half)
+                if sum_refs[a] is not None:  # the bias's share: dx over the rows
+                    sum_refs[a][pl.ds(head, 1), lane] = jnp.sum(dx_half, axis=0, keepdims=True)
             x1, x2 = _pair(x_refs[a], bias_refs[a], head, lanes)
             y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # d x'/d angle = (-y2, y1)
             head_dmu = jnp.sum(theta * (dy2 * y1 - dy1 * y2), axis=1)  # [bt]
