@@ -329,30 +329,27 @@ def _join(first, second):
     return jnp.stack([first, second], axis=-1).reshape(*first.shape[:-1], -1)
 
 
+def _index(head: int, heads_major: bool):
+    """The indexer of one head's rows [bt, D] in a block of several heads' rows."""
+    return (head, slice(None), slice(None)) if heads_major else (slice(None), head, slice(None))
+
+
 def _rows(ref, head: int, heads_major: bool = False):
-    """One head's rows [bt, D] from a block of several heads' rows (the head as a slice of
-    one, as the interpreter takes it)."""
-    rows = ref[(pl.ds(head, 1), slice(None), slice(None)) if heads_major
-               else (slice(None), pl.ds(head, 1), slice(None))]
-    return rows.reshape(-1, rows.shape[-1])
+    """One head's rows [bt, D] from a block of several heads' rows."""
+    return ref[_index(head, heads_major)]
 
 
 def _store(ref, head: int, first, second, heads_major: bool = False):
     """The pairs (first, second) [bt, D/2] as one head's rows of ref (`_rows`' inverse), in
     ref's dtype."""
-    value = _join(first, second).astype(ref.dtype)
-    bt, d = value.shape
-    if heads_major:
-        ref[pl.ds(head, 1), :, :] = value.reshape(1, bt, d)
-    else:
-        ref[:, pl.ds(head, 1), :] = value.reshape(bt, 1, d)
+    ref[_index(head, heads_major)] = _join(first, second).astype(ref.dtype)
 
 
 def _pair(x_ref, bias_ref, head: int):
     """(x_1, x_2) [bt, D/2] of one head's rows, shifted by its bias row if given."""
     rows = _rows(x_ref, head).astype(F32)
     if bias_ref is not None:
-        rows = rows + bias_ref[pl.ds(head, 1), :]
+        rows = rows + bias_ref[head, :][None]
     return _split(rows)
 
 

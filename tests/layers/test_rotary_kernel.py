@@ -117,11 +117,8 @@ def test_rotate_together_matches_the_specification_array_by_array(rng, dtype, he
 def test_rotate_together_is_one_kernel_each_way_over_kv_head_blocks(rng):
     """q [.., 4, D] and k [.., 2, D] in one forward and one backward kernel; kv_heads=2
     puts both kv heads in a program (grid (B, row blocks, 1)), and the block of kv heads
-    is a schedule: kv_heads 1 and 2 give identical bits for x' and dx (rows and heads are
-    independent), and mu's cotangent the same float32 sums up to their rounding: the
-    interpreter's XLA chooses per compiled program body how to contract a row's D/2
-    products theta (dy_2 x'_1 - dy_1 x'_2) (fused multiply-adds, their order), an ulp of
-    a product apart, while the heads of a kv head are added in the same order either way."""
+    is a schedule: kv_heads 1 and 2 give identical bits (rows and heads are independent;
+    mu's cotangent sums the heads of a kv head in the same order either way)."""
     x, mu, dy = _inputs(rng, 2, 40, 4, 2, 16, "bfloat16")
     k, _, dk = _inputs(rng, 2, 40, 2, 2, 16, "bfloat16")
 
@@ -137,10 +134,8 @@ def test_rotate_together_is_one_kernel_each_way_over_kv_head_blocks(rng):
     assert [call.params["grid_mapping"].grid for call in calls] == [(2, 3, 1), (2, 3, 1)]
     assert [tuple(v.aval.shape) for v in calls[1].outvars] == [
         (2, 48, 4, 16), (2, 48, 2, 16), (2, 48, 2)]  # dq, dk, dmu per kv head
-    one, two = run(1), run(2)
-    for u, v in zip(jax.tree.leaves(one[:2]), jax.tree.leaves(two[:2]), strict=True):
+    for u, v in zip(jax.tree.leaves(run(1)), jax.tree.leaves(run(2)), strict=True):
         np.testing.assert_array_equal(u, v)
-    assert rel_err(one[2], two[2]) <= 1e-6  # dmu
 
 
 def test_rotate_together_refuses_what_it_cannot_take():
