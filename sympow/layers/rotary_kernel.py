@@ -364,6 +364,17 @@ def _forward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
             _store(out_refs[a], head, x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads_major)
 
 
+# A row's sum as a fixed tree of pairwise adds (the lane-pair split again), not a reduce:
+# the order is then the kernel's, not the compiler's (XLA on the CPU orders a reduce by the
+# layout it picks, which differed with the number of heads in a block: an ulp in dmu).
+def _tree_sum(v):
+    """v [.., P] summed over its last axis (P a power of two) by pairwise adds: [..]."""
+    while v.shape[-1] > 1:
+        first, second = jnp.unstack(v.reshape(*v.shape[:-1], -1, 2), axis=-1)
+        v = first + second
+    return v.reshape(v.shape[:-1])
+
+
 def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     n = len(groups)
     dy_refs, x_refs = refs[:n], refs[n:2 * n]
@@ -384,6 +395,6 @@ def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
                     jnp.sum(dx1, axis=0, keepdims=True), jnp.sum(dx2, axis=0, keepdims=True))
             x1, x2 = _pair(x_refs[a], bias_refs[a], head)
             y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # d x'/d angle = (-y2, y1)
-            head_dmu = jnp.sum(theta * (dy2 * y1 - dy1 * y2), axis=1)  # [bt]
+            head_dmu = _tree_sum(theta * (dy2 * y1 - dy1 * y2))  # [bt]
             dmu = head_dmu if dmu is None else dmu + head_dmu
         dmu_ref[:, j] = dmu
