@@ -214,11 +214,16 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
         return (y, *vjp(dy))
 
     # bf16 outputs: the same float32 rotation rounded once (cos and sin may differ in an
-    # ulp); float32 and every mu cotangent: float32 sums in another order. dbias sums the
-    # dx returned (in x's dtype): its error is at most that rounding, <= 2^-8 |dx| a term
-    # in bf16, so its row reports max |error| / (2^-8 sum |dx|) (float32: 1e-5 for 2^-8).
+    # ulp); float32 and every mu cotangent: float32 sums in another order. dbias is the
+    # kernel's float32 sum of dx before dx is rounded (either dtype): its row reports
+    # max |error| / (1e-5 sum |dx|), cos and sin erring by <= 2^-20.5 a term.
     tols = (4e-3, 4e-3, 1e-4, 1.0) if dtype == "bfloat16" else (1e-5, 1e-5, 1e-4, 1.0)
-    unit = 2.0 ** -8 if dtype == "bfloat16" else 1e-5
+    unit = 1e-5
+
+    def dbias_err(got, want, dx):
+        bound = unit * np.abs(np.asarray(dx, np.float64)).sum(axis=(0, 1))
+        return float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want)) / bound))
+
     rows = []
     for shift in (None, bias):
         want = run(rotary_kernel.rotate_reference, x, mu, dy, shift)
@@ -230,8 +235,7 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
                 a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
                 err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
                 if name == "dbias":
-                    bound = unit * np.abs(np.asarray(want[1], np.float64)).sum(axis=(0, 1))
-                    err = float(np.max(np.abs(a - c) / bound))
+                    err = dbias_err(a, c, want[1])
                 rows.append((name + suffix, err, f"tol {tol:g}",
                              bool(np.all(np.isfinite(a))) and err <= tol))
     # q (x, biased) and k [B, T, Hk, D] (unbiased) rotated together, several kv heads a
@@ -257,10 +261,12 @@ def check_rotary(rng, dtype: str, b: int, t: int, h: int, hk: int, d: int):
             layout=layout), (x, k), mu, (dy, dk), (bias, None))
         pairs = [("y", got[0][0], want[0][0], tols[0]), ("yk", got[0][1], want[0][1], tols[0]),
                  ("dx", got[1][0], want[1][0], tols[1]), ("dk", got[1][1], want[1][1], tols[1]),
-                 ("dmu", got[2], want[2], tols[2])]
+                 ("dmu", got[2], want[2], tols[2]), ("dbias", got[3][0], want[3][0], tols[3])]
         for name, a, c, tol in pairs:
             a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
             err = float(np.linalg.norm(a - c) / max(np.linalg.norm(c), 1e-30))
+            if name == "dbias":
+                err = dbias_err(a, c, want[1][0])
             rows.append((name + "_h" * (layout == "heads") + "_t", err,
                          f"tol {tol:g}, kv_heads {kv_heads}",
                          bool(np.all(np.isfinite(a))) and err <= tol))

@@ -7,8 +7,9 @@ rotates, and reads both wherever it rotates or differentiates a rotation: in GPT
 training step at context 65,536 the rotations took 8.6 ms against fixed rotary's 5.3
 (docs/kernels.md). Here a program reads a block of rows of its heads and the block's mu
 [bt] and makes the angles itself (`rotary._reduced_angles`' turns, so cos and sin stay on
-their fast path). A pair (x_1, x_2) is lanes (2j, 2j + 1), loaded as two strided halves
-[bt, D/2], so the rotation is elementwise on the halves:
+their fast path). A pair (x_1, x_2) is lanes (2j, 2j + 1): a head's rows load whole and
+split into two halves [bt, D/2] (Triton's split of a [bt, D/2, 2] view; join to store),
+so the rotation is elementwise on the halves and every access is of contiguous rows:
 
     forward:  x'_1 = x_1 cos - x_2 sin,   x'_2 = x_2 cos + x_1 sin
     backward: dx_1 = dy_1 cos + dy_2 sin,  dx_2 = dy_2 cos - dy_1 sin    (the transpose)
@@ -17,15 +18,19 @@ their fast path). A pair (x_1, x_2) is lanes (2j, 2j + 1), loaded as two strided
 An optional bias b [H, D] is added as the rows load (x + b in place of x above): the
 projections' bias of q and k, which XLA otherwise adds in a pass of its own before a kernel
 it cannot fuse into (1.68 ms of a GPT-2 small step at 65,536 tokens on an H100). Its
-cotangent, the sum of dx over the rows, is XLA's reduction of dx, as autodiff of the add
-had it: summed in the backward kernel (a float32 partial sum per program) it made the
-kernel 28 % slower, more than the pass it saved (docs/kernels.md).
+cotangent, the sum of dx over the rows, comes from the backward kernel: each program's
+float32 sum of its rows' dx per head, before dx is rounded to x's dtype ([B, row blocks,
+H, D]; XLA adds those). XLA's reduction of the returned dx, which this replaces, read dx
+once more and summed its bf16 rounding (kernel sums with the lane-swap product of before
+measured 28 % slower; docs/kernels.md).
 
-The strided halves replaced a product with a 0/1 lane-swap matrix on the tensor cores
-(Triton has no cheap lane shuffle; the product's operands went through shared memory): on
-GPT-2 small's q and k at 4k on an H100 the kernels' vjp call took 493.5 -> 381.6 us, the
-forward 207.6 -> 189.2 us (one run). cos and sin are the GPU's approximate ones (absolute error
-<= 2^-20.5 on the reduced angle, far below bf16's rounding of x').
+The halves replaced a product with a 0/1 lane-swap matrix on the tensor cores (Triton has
+no cheap lane shuffle; the product's operands went through shared memory), first as two
+strided loads and stores of every other lane: on GPT-2 small's q and k at 4k on an H100
+the kernels' vjp call took 493.5 -> 381.6 us, the forward 207.6 -> 189.2 us (one run);
+whole rows split in registers are not yet measured against them (docs/kernels.md). cos
+and sin are the GPU's approximate ones (absolute error <= 2^-20.5 on the reduced angle,
+far below bf16's rounding of x').
 
 A layer's q and k share mu, so `rotate_together((q, k), mu)` rotates both in one kernel each
 way: a program makes a block's angles for its kv heads once and rotates every array's heads
@@ -194,14 +199,14 @@ def _rotate_fwd(setup, xs, mu, biases):
 
 def _rotate_bwd(setup, res, dys):
     xs, mu, biases = res
-    *dxs, dmu = _call(setup, "backward", xs, mu,
-                      tuple(dy.astype(x.dtype) for dy, x in zip(dys, xs, strict=True)),
-                      biases=biases)
-    # d(x + b) summed over rows: XLA's reduction of dx (in the kernel it cost more than it
-    # saved: docs/kernels.md)
+    outs = _call(setup, "backward", xs, mu,
+                 tuple(dy.astype(x.dtype) for dy, x in zip(dys, xs, strict=True)),
+                 biases=biases)
+    dxs, dmu, sums = outs[:len(xs)], outs[len(xs)], iter(outs[len(xs) + 1:])
+    # d(x + b) summed over rows: the kernel's float32 sums of each block of rows [B, blocks,
+    # H, D], summed here
     dbiases = tuple(None if bias is None
-                    else jnp.sum(dx.astype(F32), axis=(0, 1)).astype(bias.dtype)
-                    for dx, bias in zip(dxs, biases, strict=True))
+                    else jnp.sum(next(sums), axis=(0, 1)).astype(bias.dtype) for bias in biases)
     return tuple(dxs), dmu, dbiases
 
 
@@ -259,6 +264,11 @@ def _call(setup: _Setup, direction: str, xs, mu, dys=None, biases=None) -> list[
         out_specs.append(pl.BlockSpec((None, bt, kb), lambda j, i, n: (j, i, n)))
         out_shape = [jax.ShapeDtypeStruct((b, padded, *x.shape[2:]), x.dtype) for x in xs]
         out_shape.append(jax.ShapeDtypeStruct((b, padded, hk), F32))
+        for x, group, has in zip(xs, groups, shifted, strict=True):  # the bias sums
+            if has:  # [B, row blocks, H_a, D]: a program's rows summed per head
+                out_specs.append(pl.BlockSpec((None, None, kb * group, d),
+                                              lambda j, i, n: (j, i, n, 0)))
+                out_shape.append(jax.ShapeDtypeStruct((b, padded // bt, x.shape[2], d), F32))
         kernel = _backward_kernel
     kernel = functools.partial(kernel, groups=groups, kv_heads=kb, shifted=shifted,
                                heads_major=setup.heads_major, approx=not setup.interpret)
@@ -305,50 +315,64 @@ def _take_biases(refs, shifted):
     return taken, refs[at:]
 
 
-# A pair's two lanes (2j, 2j + 1) as two strided slices [bt, D/2] each: the rotation is
-# then elementwise on the halves (a swap of lanes inside a row has no cheap Triton form).
-def _lanes(d: int):
-    """(first, second): the strided slices of each pair's first and second lanes."""
-    return pl.ds(0, d // 2, stride=2), pl.ds(1, d // 2, stride=2)
+# A pair's two lanes (2j, 2j + 1) split out of a row loaded whole: [bt, D] -> [bt, D/2, 2]
+# -> two [bt, D/2] halves (Triton's split; join to store), so the rotation is elementwise on
+# the halves and every load and store is of whole contiguous rows.
+def _split(rows):
+    """(first, second) [.., D/2] lanes of each pair of rows [.., D], float32."""
+    first, second = jnp.unstack(rows.reshape(*rows.shape[:-1], -1, 2).astype(F32), axis=-1)
+    return first, second
 
 
-def _load(ref, head: int, lanes, heads_major: bool = False):
-    """Lanes `lanes` of one head's rows [bt, P] from a block of several heads' rows, float32
-    (the head as a slice of one: the interpreter takes no integer beside a strided slice)."""
-    rows = ref[(pl.ds(head, 1), slice(None), lanes) if heads_major
-               else (slice(None), pl.ds(head, 1), lanes)]
-    return rows.reshape(-1, rows.shape[-1]).astype(F32)
+def _join(first, second):
+    """`_split`'s inverse: rows [.., D] with first and second as each pair's lanes."""
+    return jnp.stack([first, second], axis=-1).reshape(*first.shape[:-1], -1)
 
 
-def _store(ref, head: int, lanes, value, heads_major: bool = False):
-    """value [bt, P] into lanes `lanes` of one head's rows (`_load`'s inverse), ref's dtype."""
-    bt, p = value.shape
-    value = value.astype(ref.dtype)
-    if heads_major:
-        ref[pl.ds(head, 1), :, lanes] = value.reshape(1, bt, p)
-    else:
-        ref[:, pl.ds(head, 1), lanes] = value.reshape(bt, 1, p)
+def _index(head: int, heads_major: bool):
+    """The indexer of one head's rows [bt, D] in a block of several heads' rows."""
+    return (head, slice(None), slice(None)) if heads_major else (slice(None), head, slice(None))
 
 
-def _pair(x_ref, bias_ref, head: int, lanes):
-    """(x_1, x_2) [bt, D/2] of one head's rows, each shifted by its bias lanes if given."""
-    halves = [_load(x_ref, head, half) for half in lanes]
+def _rows(ref, head: int, heads_major: bool = False):
+    """One head's rows [bt, D] from a block of several heads' rows."""
+    return ref[_index(head, heads_major)]
+
+
+def _store(ref, head: int, first, second, heads_major: bool = False):
+    """The pairs (first, second) [bt, D/2] as one head's rows of ref (`_rows`' inverse), in
+    ref's dtype."""
+    ref[_index(head, heads_major)] = _join(first, second).astype(ref.dtype)
+
+
+def _pair(x_ref, bias_ref, head: int):
+    """(x_1, x_2) [bt, D/2] of one head's rows, shifted by its bias row if given."""
+    rows = _rows(x_ref, head).astype(F32)
     if bias_ref is not None:
-        halves = [x + bias_ref[pl.ds(head, 1), half] for x, half in zip(halves, lanes, strict=True)]
-    return halves
+        rows = rows + bias_ref[head, :][None]
+    return _split(rows)
 
 
 def _forward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     n = len(groups)
     x_refs, mu_ref, turns_ref = refs[:n], refs[n], refs[n + 1]
     bias_refs, out_refs = _take_biases(refs[n + 2:], shifted)
-    lanes = _lanes(x_refs[0].shape[-1])
     for j in range(kv_heads):
         cos, sin = _angles(mu_ref[:, j], turns_ref[...], approx)  # [bt, D/2], once for all
         for a, head in _heads(groups, j):
-            x1, x2 = _pair(x_refs[a], bias_refs[a], head, lanes)
-            _store(out_refs[a], head, lanes[0], x1 * cos - x2 * sin, heads_major)
-            _store(out_refs[a], head, lanes[1], x2 * cos + x1 * sin, heads_major)
+            x1, x2 = _pair(x_refs[a], bias_refs[a], head)
+            _store(out_refs[a], head, x1 * cos - x2 * sin, x2 * cos + x1 * sin, heads_major)
+
+
+# A row's sum as a fixed tree of pairwise adds (the lane-pair split again), not a reduce:
+# the order is then the kernel's, not the compiler's (XLA on the CPU orders a reduce by the
+# layout it picks, which differed with the number of heads in a block: an ulp in dmu).
+def _tree_sum(v):
+    """v [.., P] summed over its last axis (P a power of two) by pairwise adds: [..]."""
+    while v.shape[-1] > 1:
+        first, second = jnp.unstack(v.reshape(*v.shape[:-1], -1, 2), axis=-1)
+        v = first + second
+    return v.reshape(v.shape[:-1])
 
 
 def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
@@ -356,18 +380,21 @@ def _backward_kernel(*refs, groups, kv_heads, shifted, heads_major, approx):
     dy_refs, x_refs = refs[:n], refs[n:2 * n]
     mu_ref, turns_ref, theta_ref = refs[2 * n:2 * n + 3]
     bias_refs, out_refs = _take_biases(refs[2 * n + 3:], shifted)
-    *dx_refs, dmu_ref = out_refs
-    lanes = _lanes(x_refs[0].shape[-1])
+    dx_refs, dmu_ref = out_refs[:n], out_refs[n]
+    sum_refs, _ = _take_biases(out_refs[n + 1:], shifted)  # [H_a, D] each
     theta = theta_ref[...]  # [1, D/2]
     for j in range(kv_heads):
         cos, sin = _angles(mu_ref[:, j], turns_ref[...], approx)
         dmu = None
         for a, head in _heads(groups, j):
-            dy1, dy2 = (_load(dy_refs[a], head, half, heads_major) for half in lanes)
-            _store(dx_refs[a], head, lanes[0], dy1 * cos + dy2 * sin)  # the transpose
-            _store(dx_refs[a], head, lanes[1], dy2 * cos - dy1 * sin)
-            x1, x2 = _pair(x_refs[a], bias_refs[a], head, lanes)
+            dy1, dy2 = _split(_rows(dy_refs[a], head, heads_major))
+            dx1, dx2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin  # the transpose
+            _store(dx_refs[a], head, dx1, dx2)
+            if sum_refs[a] is not None:  # the bias's share: dx over the rows
+                sum_refs[a][pl.ds(head, 1), :] = _join(
+                    jnp.sum(dx1, axis=0, keepdims=True), jnp.sum(dx2, axis=0, keepdims=True))
+            x1, x2 = _pair(x_refs[a], bias_refs[a], head)
             y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # d x'/d angle = (-y2, y1)
-            head_dmu = jnp.sum(theta * (dy2 * y1 - dy1 * y2), axis=1)  # [bt]
+            head_dmu = _tree_sum(theta * (dy2 * y1 - dy1 * y2))  # [bt]
             dmu = head_dmu if dmu is None else dmu + head_dmu
         dmu_ref[:, j] = dmu
