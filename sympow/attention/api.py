@@ -174,8 +174,8 @@ def sympow_attention(q: Queries, k: Keys, v: Values, log_g: LogGates | None = No
     G = cumsum(log_g). Rows whose B_ij are all zero (e.g. a zero query) give Y_i = 0.
     A NaN in an input gives NaN rows, never zeros: q_i's makes row i NaN, k_j's and
     log_g_j's rows j on (earlier rows untouched); v_j's rows j on and possibly earlier ones
-    (a masked weight's 0 times NaN is NaN in the products); tested for 'reference', 'xla'
-    and 'pallas' in the interpreter, not yet on a GPU.
+    (a masked weight's 0 times NaN is NaN in the products); tested for every backend (the
+    GPU kernels by experiments/gpu_check.py).
     Layout follows jax.nn.dot_product_attention.
 
     Args:
