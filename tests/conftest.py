@@ -1,5 +1,5 @@
-"""Shared fixtures: fresh random inputs and scoped float64 mode; the scripts' compilation
-cache in a temporary directory."""
+"""Shared fixtures: fresh random inputs, scoped float64 mode and fresh traces; the scripts'
+compilation cache in a temporary directory."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import zlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -34,3 +35,13 @@ def rng(request):
     failure reproduces."""
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fresh_traces():
+    """For a test that monkeypatches a function called while tracing: jax's caches cleared
+    before it (a jit traced by an earlier test of the same shapes would skip the patch) and
+    after it (none keeps the patched trace for a later test)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()

@@ -93,7 +93,7 @@ def test_too_wide_heads_fall_back_with_a_logged_reason(rng, caplog):
 @pytest.mark.parametrize("kind", ["random", "zero_keys", "huge_norms", "large_scales",
                                   "small_scales", "full_decay"])
 @pytest.mark.parametrize("block", [16, 32])
-def test_blocks_below_the_diagonal_skip_the_mask(rng, monkeypatch, kind, block):
+def test_blocks_below_the_diagonal_skip_the_mask(rng, monkeypatch, fresh_traces, kind, block):
     """Several key blocks per query block: those wholly below the diagonal run without the
     causal mask and the zero-score select (log|0| = -inf), with decays head + mid + tail
     summed as the loop walks back. Zero keys put s = 0 off the diagonal; q and k at scales
@@ -122,7 +122,7 @@ def test_blocks_below_the_diagonal_skip_the_mask(rng, monkeypatch, kind, block):
         assert ok, f"bf16 {name}: {err_test:.2e} (ref {err_ref:.2e}, bound {bound:.2e})"
 
 
-def test_unequal_blocks_are_refused(rng, monkeypatch):
+def test_unequal_blocks_are_refused(rng, monkeypatch, fresh_traces):
     """The diagonal block's in-kernel decays assume one block size for queries and keys."""
     base = attention_form.make_form_plan
     monkeypatch.setattr(attention_form, "make_form_plan", lambda *args: dataclasses.replace(
