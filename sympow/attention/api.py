@@ -270,10 +270,10 @@ def _validate_step(state, q, k, v, log_g, p) -> None:
     """ValueError naming the argument and shapes for a token or a state outside
     decode_step's contract: the state must be one of this p and D (F = expanded_dim(D, p))."""
     args = {"q": q, "k": k, "v": v, "log_g": log_g}
-    for name, spec in (("q", "[B, Hq, D]"), ("k", "[B, Hk, D]"), ("v", "[B, Hk, E]"),
-                       ("log_g", "[B, Hk]")):
-        if args[name] is not None and getattr(args[name], "ndim", None) != len(spec.split(",")):
-            raise _shape_error(name, f"rank {len(spec.split(','))} {spec} (one token)", args)
+    for name, rank, spec in (("q", 3, "[B, Hq, D]"), ("k", 3, "[B, Hk, D]"),
+                             ("v", 3, "[B, Hk, E]"), ("log_g", 2, "[B, Hk]")):
+        if args[name] is not None and getattr(args[name], "ndim", None) != rank:
+            raise _shape_error(name, f"rank {rank} {spec} (one token)", args)
     validate_inputs(q[:, None], k[:, None], v[:, None],
                     None if log_g is None else log_g[:, None], p)
     if not isinstance(state, SympowState):
