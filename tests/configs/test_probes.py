@@ -52,7 +52,8 @@ def run(*args):
 
 
 @pytest.mark.parametrize("script", ["probe_tma_reduce", "probe_symmetric_blocks",
-                                    "probe_grid_barrier", "probe_row_gradients_upper"])
+                                    "probe_grid_barrier", "probe_row_gradients_upper",
+                                    "probe_dq_traffic"])
 def test_a_probe_refuses_without_a_hopper_gpu(script):
     done = run(f"experiments/{script}.py")
     assert done.returncode != 0
