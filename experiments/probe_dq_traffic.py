@@ -1,10 +1,11 @@
 """What the dQ partials' TMA reductions cost the one-pass attention backward on Hopper
-(docs/kernels.md, "What limits the attention backward"), measured before a design that
-halves them is built.
+(docs/kernels.md, "The attention form's backward with the normalized weights recomputed,
+tried and not merged; the dQ partials' reductions measured"): the bound on what a design
+that halves them could gain (on an H100, 2026-12-08: none).
 
 The backward kernel (`sympow.attention.mosaic_gpu.backward_kernel`) adds every off-diagonal
 tile pair's float32 dQ partial [64 queries, d] into dQ in GMEM by a TMA reduction: at GPT-2
-small's 4k shapes (B = 16, T = 4,096, H = 12, d = 64, token layout) about 6.5 GB a call,
+small's 4k shapes (B = 16, T = 4,096, H = 12, d = 64, token layout) 6.34 GB a call,
 against a measured ~2.7 TB/s for such reductions (probe_tma_reduce.py). This times the
 kernel as it is against the same kernel with those reductions turned into plain stores
 (same bytes, no read-modify-write) and left out (no dQ traffic at all; dq then wrong):
