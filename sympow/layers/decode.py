@@ -28,6 +28,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from sympow.layers import fused_decode
+from sympow.layers.linear import shape_of
 
 __all__ = ["GPTCache", "prefill", "decode_step", "generate", "check_tokens", "PAD_ID"]
 
@@ -56,9 +57,7 @@ def check_tokens(tokens, *, name: str = "tokens", batch: int | None = None) -> N
     else:
         ok, want = shape == (batch,), f"[B] with B = {batch}, the cache's batch"
     if not ok or not jnp.issubdtype(dtype, jnp.integer):
-        got = (f"shape {shape} and dtype {dtype}" if shape is not None
-               else f"of type {type(tokens).__name__}")
-        raise ValueError(f"{name} must be int {want} (ids in [0, V)), got {got}")
+        raise ValueError(f"{name} must be int {want} (ids in [0, V)), got {shape_of(tokens)}")
 
 
 def prefill(model, tokens: Int[Array, "B T"], *, max_length: int | None = None,

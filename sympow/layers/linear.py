@@ -16,14 +16,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-__all__ = ["bias_gelu", "check_input", "check_valid", "product", "products_side_by_side"]
+__all__ = ["bias_gelu", "check_input", "check_valid", "product", "products_side_by_side",
+           "shape_of"]
 
 
-def _shape_of(x) -> str:
-    """x's shape and dtype, or its type where it has none (a list, None)."""
-    if not hasattr(x, "shape"):
+def shape_of(x) -> str:
+    """x's shape and dtype for an error message, or its type where it has none (a list,
+    None)."""
+    if getattr(x, "shape", None) is None:
         return f"of type {type(x).__name__}"
-    return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"shape {tuple(x.shape)} and dtype {getattr(x, 'dtype', None)}"
 
 
 def check_input(x, d_model: int, *, one_token: bool = False) -> None:
@@ -33,7 +35,7 @@ def check_input(x, d_model: int, *, one_token: bool = False) -> None:
     if len(shape) != 3 or shape[2] != d_model or shape[1] < 1 or (one_token and shape[1] != 1):
         want = "[B, 1, C] with C = d_model = {} (one token)" if one_token else (
             "[B, T, C] with C = d_model = {} and T >= 1")
-        raise ValueError(f"x must be {want.format(d_model)}, got {_shape_of(x)}")
+        raise ValueError(f"x must be {want.format(d_model)}, got {shape_of(x)}")
 
 
 def check_valid(valid, x) -> None:
@@ -44,7 +46,7 @@ def check_valid(valid, x) -> None:
     b, t = x.shape[:2]
     if getattr(valid, "shape", None) != (b, t) or valid.dtype != jnp.bool_:
         raise ValueError(f"valid must be bool [B, T] with T = {t} and B = {b} (the prompt), "
-                         f"got {_shape_of(valid)}")
+                         f"got {shape_of(valid)}")
 
 
 def product(linear: nnx.Linear, x: Float[Array, "... C"],
